@@ -1,0 +1,1 @@
+"""backfill_assets: exact, audited Kafka -> Iceberg backfills as Dagster partition ranges."""

@@ -1,0 +1,131 @@
+"""Dagster resources: Kafka metadata/offsets, the Spark session and the Iceberg catalog.
+
+All three read :class:`~backfill_assets.settings.Settings` from the environment when a run
+starts, so no connection detail or secret ever lands in run config or the Dagster UI.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dagster as dg
+from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient
+from dagster_pyspark import PySparkResource
+from pydantic import Field
+from pyiceberg.catalog import Catalog
+
+from backfill_assets import catalog, spark
+from backfill_assets.settings import Settings
+
+
+class SparkResource(PySparkResource):
+    """dagster-pyspark's session resource, configured from the settings module.
+
+    ``spark_config`` holds only extra, non-secret overrides; the base configuration (master,
+    jars, Iceberg catalog) comes from :func:`backfill_assets.spark.spark_config`.
+    """
+
+    spark_config: dict[str, Any] = Field(default_factory=dict)
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        session = spark.get_session(Settings.from_env())
+        for key, value in self.spark_config.items():
+            session.conf.set(key, str(value))
+        self._spark_session = session
+
+
+class KafkaResource(dg.ConfigurableResource):  # type: ignore[type-arg]
+    """Kafka metadata and offset look-ups. Never joins or commits to a consumer group."""
+
+    request_timeout_s: float = 30.0
+
+    @property
+    def settings(self) -> Settings:
+        return Settings.from_env()
+
+    def admin(self) -> AdminClient:
+        return AdminClient(self.settings.kafka.client_config())
+
+    def offsets_consumer(self) -> Consumer:
+        """A consumer used only for ListOffsets look-ups: it never subscribes or commits.
+
+        librdkafka requires a group.id to construct a consumer; this one is unique per
+        process and is never joined, so no consumer group state is created on the broker.
+        """
+        conf: dict[str, str | int | float | bool] = {
+            **self.settings.kafka.client_config(),
+            "group.id": "backfill-assets-offsets-lookup",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+        }
+        return Consumer(conf)
+
+    def partitions(self, topic: str) -> list[int]:
+        meta = self.admin().list_topics(topic=topic, timeout=self.request_timeout_s)
+        info = meta.topics.get(topic)
+        if info is None or info.error is not None:
+            raise dg.Failure(
+                f"Kafka topic {topic!r} does not exist at {self.settings.kafka.bootstrap_servers}"
+            )
+        return sorted(info.partitions)
+
+    def offsets_for_times(self, topic: str, timestamp_ms: int) -> dict[int, int]:
+        """Per partition, the earliest offset whose timestamp is >= ``timestamp_ms``.
+
+        Where no such record exists, Kafka answers -1; this returns the high watermark instead,
+        so ``[offset_for(start), offset_for(end))`` is always a valid, possibly empty range.
+        """
+        consumer = self.offsets_consumer()
+        try:
+            parts = self.partitions(topic)
+            query = [TopicPartition(topic, p, timestamp_ms) for p in parts]
+            found = consumer.offsets_for_times(query, timeout=self.request_timeout_s)
+            result: dict[int, int] = {}
+            for tp in found:
+                if tp.offset < 0:
+                    _, high = consumer.get_watermark_offsets(
+                        TopicPartition(topic, tp.partition), timeout=self.request_timeout_s
+                    )
+                    result[tp.partition] = int(high)
+                else:
+                    result[tp.partition] = int(tp.offset)
+            return result
+        finally:
+            consumer.close()
+
+    def watermarks(self, topic: str) -> dict[int, tuple[int, int]]:
+        """Per partition, (log start offset, high watermark)."""
+        consumer = self.offsets_consumer()
+        try:
+            return {
+                p: tuple(  # type: ignore[misc]
+                    int(o)
+                    for o in consumer.get_watermark_offsets(
+                        TopicPartition(topic, p), timeout=self.request_timeout_s
+                    )
+                )
+                for p in self.partitions(topic)
+            }
+        finally:
+            consumer.close()
+
+
+class IcebergResource(dg.ConfigurableResource):  # type: ignore[type-arg]
+    """The pyiceberg view of the project's catalog (the same catalog Spark writes through)."""
+
+    @property
+    def settings(self) -> Settings:
+        return Settings.from_env()
+
+    def catalog(self) -> Catalog:
+        return catalog.load(self.settings.catalog)
+
+    def spark_name(self, table: str) -> str:
+        """``<catalog>.<namespace>.<table>``, the name Spark SQL uses."""
+        cfg = self.settings.catalog
+        return f"{cfg.name}.{cfg.namespace}.{table}"
+
+    def identifier(self, table: str) -> str:
+        """``<namespace>.<table>``, the name pyiceberg uses."""
+        return f"{self.settings.catalog.namespace}.{table}"

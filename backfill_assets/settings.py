@@ -1,0 +1,216 @@
+"""The one place where local and production differ.
+
+Every environment-specific value is a named setting read from ``BACKFILL_*`` environment
+variables (plus the standard ``AWS_*`` ones for object storage). Nothing else in the package
+calls ``os.environ``. Defaults describe the embedded local stack: a KRaft broker on 127.0.0.1,
+Spark ``local[2]``, a SQLite SQL catalog with a ``file://`` warehouse, all under ``.stack/``.
+``infra/README.md`` lists every variable and a production example.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from backfill_assets.errors import SettingsError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+CatalogKind = Literal["sql", "rest"]
+_SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+_SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER")
+
+
+@dataclass(frozen=True)
+class KafkaSettings:
+    """How to reach Kafka, and how the embedded local broker is laid out."""
+
+    bootstrap_servers: str
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = field(default=None, repr=False)
+    ssl_ca_location: str | None = None
+    local_port: int = 19092
+    local_controller_port: int = 19093
+    local_heap: str = "512m"
+
+    def client_config(self) -> dict[str, str | int | float | bool]:
+        """librdkafka (confluent-kafka) settings, secrets included: never log the result."""
+        conf: dict[str, str | int | float | bool] = {"bootstrap.servers": self.bootstrap_servers}
+        if self.security_protocol != "PLAINTEXT":
+            conf["security.protocol"] = self.security_protocol
+        if self.sasl_mechanism:
+            conf["sasl.mechanism"] = self.sasl_mechanism
+        if self.sasl_username is not None:
+            conf["sasl.username"] = self.sasl_username
+        if self.sasl_password is not None:
+            conf["sasl.password"] = self.sasl_password
+        if self.ssl_ca_location:
+            conf["ssl.ca.location"] = self.ssl_ca_location
+        return conf
+
+    def spark_options(self) -> dict[str, str]:
+        """Options for Spark's Kafka source (``kafka.``-prefixed Java client settings)."""
+        opts = {"kafka.bootstrap.servers": self.bootstrap_servers}
+        if self.security_protocol != "PLAINTEXT":
+            opts["kafka.security.protocol"] = self.security_protocol
+        if self.sasl_mechanism:
+            opts["kafka.sasl.mechanism"] = self.sasl_mechanism
+            if self.sasl_username is not None and self.sasl_password is not None:
+                module = (
+                    "org.apache.kafka.common.security.plain.PlainLoginModule"
+                    if self.sasl_mechanism == "PLAIN"
+                    else "org.apache.kafka.common.security.scram.ScramLoginModule"
+                )
+                opts["kafka.sasl.jaas.config"] = (
+                    f'{module} required username="{self.sasl_username}" '
+                    f'password="{self.sasl_password}";'
+                )
+        if self.ssl_ca_location:
+            opts["kafka.ssl.truststore.type"] = "PEM"
+            opts["kafka.ssl.truststore.location"] = self.ssl_ca_location
+        return opts
+
+
+@dataclass(frozen=True)
+class CatalogSettings:
+    """One Iceberg catalog, seen by Spark and pyiceberg under the same name."""
+
+    name: str
+    kind: CatalogKind
+    uri: str
+    warehouse: str
+    namespace: str
+    jdbc_user: str | None = None
+    jdbc_password: str | None = field(default=None, repr=False)
+    s3_endpoint: str | None = None
+    s3_access_key_id: str | None = None
+    s3_secret_access_key: str | None = field(default=None, repr=False)
+    s3_region: str | None = None
+
+    @property
+    def sqlite_path(self) -> Path | None:
+        """The SQLite file behind a local SQL catalog, or None for any other backend."""
+        if self.kind == "sql" and self.uri.startswith("sqlite:///"):
+            return Path(self.uri.removeprefix("sqlite:///")).resolve()
+        return None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything that differs between the embedded local stack and production."""
+
+    home: Path
+    jar_cache: Path
+    kafka: KafkaSettings
+    catalog: CatalogSettings
+    spark_master: str
+    spark_driver_memory: str
+    spark_shuffle_partitions: int
+    archive_uri: str
+    dagster_storage: Path
+    webserver_host: str
+    webserver_port: int
+
+    @property
+    def kafka_data_dir(self) -> Path:
+        return self.home / "kafka"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Read settings from ``environ`` (default: the process environment)."""
+        env = dict(os.environ if environ is None else environ)
+        home = Path(env.get("BACKFILL_HOME", str(REPO_ROOT / ".stack"))).resolve()
+        port = _int(env, "BACKFILL_KAFKA_PORT", 19092)
+        controller_port = _int(env, "BACKFILL_KAFKA_CONTROLLER_PORT", port + 1)
+        if controller_port == port:
+            raise SettingsError(
+                "BACKFILL_KAFKA_CONTROLLER_PORT must differ from BACKFILL_KAFKA_PORT "
+                f"(both are {port})"
+            )
+        protocol = env.get("BACKFILL_KAFKA_SECURITY_PROTOCOL", "PLAINTEXT").upper()
+        _choice("BACKFILL_KAFKA_SECURITY_PROTOCOL", protocol, _SECURITY_PROTOCOLS)
+        mechanism = env.get("BACKFILL_KAFKA_SASL_MECHANISM")
+        if mechanism is not None:
+            mechanism = mechanism.upper()
+            _choice("BACKFILL_KAFKA_SASL_MECHANISM", mechanism, _SASL_MECHANISMS)
+        if protocol.startswith("SASL") and mechanism is None:
+            raise SettingsError(
+                f"BACKFILL_KAFKA_SECURITY_PROTOCOL={protocol} needs BACKFILL_KAFKA_SASL_MECHANISM "
+                f"(one of {', '.join(_SASL_MECHANISMS)})"
+            )
+        kafka = KafkaSettings(
+            bootstrap_servers=env.get("BACKFILL_KAFKA_BOOTSTRAP", f"127.0.0.1:{port}"),
+            security_protocol=protocol,
+            sasl_mechanism=mechanism,
+            sasl_username=env.get("BACKFILL_KAFKA_SASL_USERNAME"),
+            sasl_password=env.get("BACKFILL_KAFKA_SASL_PASSWORD"),
+            ssl_ca_location=env.get("BACKFILL_KAFKA_SSL_CA_LOCATION"),
+            local_port=port,
+            local_controller_port=controller_port,
+            local_heap=env.get("BACKFILL_KAFKA_HEAP", "512m"),
+        )
+        kind = env.get("BACKFILL_CATALOG_KIND", "sql").lower()
+        _choice("BACKFILL_CATALOG_KIND", kind, ("sql", "rest"))
+        default_uri = f"sqlite:///{home / 'catalog' / 'catalog.db'}"
+        uri = env.get("BACKFILL_CATALOG_URI", default_uri if kind == "sql" else "")
+        if not uri:
+            raise SettingsError(
+                "BACKFILL_CATALOG_KIND=rest needs BACKFILL_CATALOG_URI "
+                "(the REST catalog's base URL)"
+            )
+        if kind == "sql" and not uri.startswith(("sqlite:///", "postgresql")):
+            raise SettingsError(
+                f"BACKFILL_CATALOG_URI={uri!r} is not a SQL catalog URI: use sqlite:///ABS/PATH.db "
+                "or postgresql+psycopg2://HOST:PORT/DB"
+            )
+        catalog = CatalogSettings(
+            name=env.get("BACKFILL_CATALOG_NAME", "lake"),
+            kind=kind,  # type: ignore[arg-type]  # validated by _choice above
+            uri=uri,
+            warehouse=env.get("BACKFILL_WAREHOUSE", (home / "warehouse").as_uri()),
+            namespace=env.get("BACKFILL_NAMESPACE", "lakehouse"),
+            jdbc_user=env.get("BACKFILL_CATALOG_JDBC_USER"),
+            jdbc_password=env.get("BACKFILL_CATALOG_JDBC_PASSWORD"),
+            s3_endpoint=env.get("BACKFILL_S3_ENDPOINT"),
+            s3_access_key_id=env.get("AWS_ACCESS_KEY_ID"),
+            s3_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
+            s3_region=env.get("AWS_REGION"),
+        )
+        return cls(
+            home=home,
+            jar_cache=Path(env.get("BACKFILL_JAR_CACHE", str(home / "jars"))).resolve(),
+            kafka=kafka,
+            catalog=catalog,
+            spark_master=env.get("BACKFILL_SPARK_MASTER", "local[2]"),
+            spark_driver_memory=env.get("BACKFILL_SPARK_DRIVER_MEMORY", "2g"),
+            spark_shuffle_partitions=_int(env, "BACKFILL_SPARK_SHUFFLE_PARTITIONS", 4),
+            archive_uri=env.get("BACKFILL_ARCHIVE_URI", (home / "archive").as_uri()),
+            dagster_storage=Path(
+                env.get("BACKFILL_DAGSTER_STORAGE", str(home / "dagster"))
+            ).resolve(),
+            webserver_host=env.get("BACKFILL_WEBSERVER_HOST", "127.0.0.1"),
+            webserver_port=_int(env, "BACKFILL_WEBSERVER_PORT", 3000),
+        )
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not a whole number") from None
+    if value <= 0:
+        raise SettingsError(f"{name}={raw!r} must be a positive whole number")
+    return value
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise SettingsError(f"{name}={value!r} is not supported; allowed: {', '.join(allowed)}")

@@ -1,0 +1,86 @@
+"""Session-wide real components: one Kafka broker, one Spark session, one Iceberg catalog.
+
+Each is started once per test session under a temporary ``BACKFILL_HOME`` with free ports, so
+tests never touch a developer's running demo stack. The JVM jars come from the project's jar
+cache (``scripts/bootstrap.sh`` resolves them; the fixture re-checks, which is a no-op then).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+
+from backfill_assets import jars
+from backfill_assets.broker import LocalBroker
+from backfill_assets.settings import REPO_ROOT, Settings
+
+if TYPE_CHECKING:
+    from pyiceberg.catalog import Catalog
+    from pyspark.sql import SparkSession
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """BACKFILL_* variables for the test stack, also exported for code that reads os.environ
+    (Dagster resources inside runs)."""
+    home = tmp_path_factory.mktemp("stack")
+    port = _free_port()
+    controller = _free_port()
+    env = {
+        "BACKFILL_HOME": str(home),
+        # The jar cache is shared with the developer's stack: it is read-only and keyed by pom.
+        "BACKFILL_JAR_CACHE": os.environ.get(
+            "BACKFILL_JAR_CACHE", str(REPO_ROOT / ".stack" / "jars")
+        ),
+        "BACKFILL_KAFKA_PORT": str(port),
+        "BACKFILL_KAFKA_CONTROLLER_PORT": str(controller),
+        "BACKFILL_DAGSTER_STORAGE": str(home / "dagster"),
+        "PYICEBERG_HOME": str(home / "pyiceberg-home"),
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        yield env
+
+
+@pytest.fixture(scope="session")
+def stack_settings(stack_env: dict[str, str]) -> Iterator[Settings]:
+    """Settings of a running, real Apache Kafka broker (KRaft) started for this session."""
+    settings = Settings.from_env(stack_env)
+    jars.resolve_all(settings)
+    broker = LocalBroker(settings)
+    broker.start()
+    try:
+        yield settings
+    finally:
+        broker.stop()
+
+
+@pytest.fixture(scope="session")
+def spark_session(stack_settings: Settings) -> Iterator[SparkSession]:
+    from backfill_assets import spark
+
+    session = spark.get_session(stack_settings)
+    try:
+        yield session
+    finally:
+        session.stop()
+
+
+@pytest.fixture(scope="session")
+def iceberg_catalog(stack_settings: Settings) -> Catalog:
+    from backfill_assets import catalog
+
+    cat = catalog.load(stack_settings.catalog)
+    cat.create_namespace_if_not_exists(stack_settings.catalog.namespace)
+    return cat

@@ -1,0 +1,69 @@
+"""The embedded broker is real Apache Kafka, loopback-only, and fails clearly."""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+from pathlib import Path
+
+import pytest
+
+from backfill_assets.broker import LocalBroker
+from backfill_assets.errors import BrokerError
+from backfill_assets.settings import Settings
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """IPv4 addresses in LISTEN state on ``port``, from /proc/net/tcp{,6}.
+
+    Java listens on IPv4-mapped IPv6 sockets (::ffff:127.0.0.1); those are decoded to IPv4,
+    any other IPv6 address is returned as ``ipv6:<hex>`` so the assertion fails on it.
+    """
+    found: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            address, hex_port = fields[1].split(":")
+            if int(hex_port, 16) != port or fields[3] != "0A":
+                continue
+            if len(address) == 32 and address.startswith("0000000000000000FFFF0000"):
+                address = address[24:]
+            if len(address) == 8:
+                found.add(str(ipaddress.IPv4Address(bytes.fromhex(address)[::-1])))
+            else:
+                found.add(f"ipv6:{address}")
+    return found
+
+
+def test_broker_is_real_kafka_4_on_loopback(stack_settings: Settings) -> None:
+    broker = LocalBroker(stack_settings)
+    status = broker.status()
+    assert status.running and status.responding
+    assert status.cluster_id
+    # metadata.version comes from DescribeFeatures (the admin API): the Kafka 4.1 release line.
+    assert status.version is not None and status.version.startswith("4.1-")
+    for port in (stack_settings.kafka.local_port, stack_settings.kafka.local_controller_port):
+        assert _listening_addresses(port) == {"127.0.0.1"}, "must listen on 127.0.0.1 only"
+
+
+def test_start_is_idempotent(stack_settings: Settings) -> None:
+    broker = LocalBroker(stack_settings)
+    before = broker.status().pid
+    assert broker.start().pid == before
+
+
+def test_taken_port_is_named(stack_settings: Settings, tmp_path: Path) -> None:
+    other = dataclasses.replace(stack_settings, home=tmp_path)
+    with pytest.raises(BrokerError, match=rf"127\.0\.0\.1:{stack_settings.kafka.local_port}"):
+        LocalBroker(other).start()
+
+
+def test_missing_jars_say_which_command_to_run(stack_settings: Settings, tmp_path: Path) -> None:
+    other = dataclasses.replace(stack_settings, home=tmp_path, jar_cache=tmp_path / "no-jars")
+    with pytest.raises(BrokerError, match="backfill-assets jars resolve"):
+        LocalBroker(other).start()
+
+
+def test_stop_without_a_broker_is_harmless(tmp_path: Path) -> None:
+    settings = Settings.from_env({"BACKFILL_HOME": str(tmp_path)})
+    assert LocalBroker(settings).stop() is False

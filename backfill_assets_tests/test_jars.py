@@ -1,0 +1,36 @@
+"""JVM artifacts come from the checked-in poms and are resolved once."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from backfill_assets import jars
+from backfill_assets.errors import JarResolutionError
+from backfill_assets.settings import Settings
+
+
+def test_second_resolution_does_nothing(stack_settings: Settings) -> None:
+    assert jars.resolve_all(stack_settings) == {"kafka-broker": False, "spark": False}
+    names = {p.name for p in jars.jars(stack_settings, "kafka-broker")}
+    assert any(n.startswith("kafka_2.13-4.") for n in names)
+    spark_names = {p.name for p in jars.jars(stack_settings, "spark")}
+    assert "spark-sql-kafka-0-10_2.13-4.1.3.jar" in spark_names
+    assert any(n.startswith("iceberg-spark-runtime-4.1_2.13-") for n in spark_names)
+    assert any(n.startswith("sqlite-jdbc-") for n in spark_names)
+    # Jars pyspark already ships must not be added a second time.
+    assert not any(n.startswith(("scala-library", "slf4j-api")) for n in spark_names)
+
+
+def test_unresolved_cache_names_the_command(stack_settings: Settings, tmp_path: Path) -> None:
+    empty = dataclasses.replace(stack_settings, jar_cache=tmp_path)
+    assert not jars.is_resolved(empty, "spark")
+    with pytest.raises(JarResolutionError, match="backfill-assets jars resolve"):
+        jars.jars(empty, "spark")
+
+
+def test_unknown_set_lists_the_known_ones() -> None:
+    with pytest.raises(JarResolutionError, match="kafka-broker, spark"):
+        jars.pom_path("flink")

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Install everything the project needs on a fresh machine, idempotently:
+#   .venv with the pinned Python packages (re-installed only when pyproject.toml changes)
+#   JVM jars from Maven Central into .stack/jars (re-resolved only when a pom changes)
+# Needs: python3.11+, a JDK 17+ (java) and Maven (mvn) on PATH.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+for tool in python3 java mvn; do
+  command -v "$tool" >/dev/null || { echo "bootstrap: '$tool' is not on PATH (need Python 3.11+, JDK 17+, Maven)" >&2; exit 1; }
+done
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+stamp=.venv/.installed-pyproject.sha256
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "bootstrap: installing Python packages into .venv"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[dev]"
+  echo "$want" > "$stamp"
+fi
+
+.venv/bin/backfill-assets jars resolve

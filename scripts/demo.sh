@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The README's demo command: install, start the local stack, write demo history, run a first
+# backfill, then serve the Dagster UI (webserver + daemon) on 127.0.0.1:3000 until Ctrl-C.
+# Safe to run again: every step skips work that is already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+export DAGSTER_HOME="$PWD" BACKFILL_DAGSTER_STORAGE="${BACKFILL_DAGSTER_STORAGE:-$PWD/.stack/dagster}"
+mkdir -p "$BACKFILL_DAGSTER_STORAGE"
+cli=.venv/bin/backfill-assets
+
+$cli stack up
+$cli catalog init
+if [ ! -f .stack/demo/orders.ground-truth.json ]; then
+  $cli generate --topic orders --hours "${DEMO_HOURS:-48}" --events-per-hour "${DEMO_RATE:-600}"
+else
+  echo "demo history already written (.stack/demo/orders.ground-truth.json)"
+fi
+if [ -f scripts/demo_backfill.sh ]; then
+  bash scripts/demo_backfill.sh
+fi
+
+echo "Dagster UI: http://127.0.0.1:${BACKFILL_WEBSERVER_PORT:-3000}  (Ctrl-C stops it; the broker keeps running: '$cli stack down' stops it)"
+exec .venv/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p "${BACKFILL_WEBSERVER_PORT:-3000}"

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The project's test command (README; CI runs it through .ci/run):
+# install, lint, type-check, validate the Dagster definitions, then pytest.
+# The default tier uses the real Kafka broker, Spark and Iceberg catalog. Marked tiers
+# (faults, browser, slow) run after it when BACKFILL_TEST_TIERS lists them (CI sets it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+export DAGSTER_HOME="$PWD" BACKFILL_DAGSTER_STORAGE="${BACKFILL_DAGSTER_STORAGE:-$PWD/.stack/dagster}"
+
+echo "== ruff"; .venv/bin/ruff check . && .venv/bin/ruff format --check .
+echo "== mypy"; .venv/bin/mypy
+echo "== dagster definitions validate"; .venv/bin/dagster definitions validate -w workspace.yaml
+echo "== pytest (default tier)"
+.venv/bin/python -m pytest -m "not faults and not browser and not slow" "$@"
+for tier in ${BACKFILL_TEST_TIERS:-}; do
+  echo "== pytest (-m $tier)"
+  rc=0; .venv/bin/python -m pytest -m "$tier" "$@" || rc=$?
+  # Exit code 5 means no test carries that marker yet: not a failure.
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then exit "$rc"; fi
+done
