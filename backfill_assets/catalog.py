@@ -13,7 +13,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import quote, urlparse
 
 from pyiceberg.catalog import Catalog, load_catalog
 
@@ -110,7 +110,11 @@ def _jdbc_url(uri: str) -> str:
 
 def _with_credentials(uri: str, user: str, password: str | None) -> str:
     scheme, rest = uri.split("://", 1)
-    auth = user if password is None else f"{user}:{password}"
+    auth = (
+        quote(user, safe="")
+        if password is None
+        else f"{quote(user, safe='')}:{quote(password, safe='')}"
+    )
     return f"{scheme}://{auth}@{rest}"
 
 

@@ -60,7 +60,11 @@ class KafkaSettings:
             opts["kafka.security.protocol"] = self.security_protocol
         if self.sasl_mechanism:
             opts["kafka.sasl.mechanism"] = self.sasl_mechanism
-            if self.sasl_username is not None and self.sasl_password is not None:
+            if (
+                self.sasl_mechanism != "OAUTHBEARER"
+                and self.sasl_username is not None
+                and self.sasl_password is not None
+            ):
                 module = (
                     "org.apache.kafka.common.security.plain.PlainLoginModule"
                     if self.sasl_mechanism == "PLAIN"
