@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import dagster as dg
 
+from backfill_assets.assets import build_raw_asset
 from backfill_assets.resources import IcebergResource, KafkaResource, SparkResource
+from backfill_assets.spec import load_specs
+
+SPECS = load_specs()
 
 RESOURCES: dict[str, object] = {
     "kafka": KafkaResource(),
@@ -12,4 +16,4 @@ RESOURCES: dict[str, object] = {
     "iceberg": IcebergResource(),
 }
 
-defs = dg.Definitions(resources=RESOURCES)
+defs = dg.Definitions(assets=[build_raw_asset(spec) for spec in SPECS], resources=RESOURCES)

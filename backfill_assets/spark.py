@@ -3,6 +3,8 @@ production; only :class:`~backfill_assets.settings.Settings` differs."""
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import TYPE_CHECKING
 
 from backfill_assets import catalog, jars
@@ -32,6 +34,12 @@ def spark_config(settings: Settings) -> dict[str, str]:
             "127.0.0.1" if settings.spark_master.startswith("local") else ""
         ),
         "spark.ui.enabled": "false" if settings.spark_master.startswith("local") else "true",
+        # Local Python workers must use this interpreter (pandas, pyarrow, pandera live here);
+        # a cluster's workers use their image's interpreter.
+        "spark.pyspark.python": sys.executable if settings.spark_master.startswith("local") else "",
+        "spark.pyspark.driver.python": (
+            sys.executable if settings.spark_master.startswith("local") else ""
+        ),
     }
     conf = {k: v for k, v in conf.items() if v != ""}
     conf.update(catalog.spark_properties(settings.catalog))
@@ -43,6 +51,9 @@ def get_session(settings: Settings) -> SparkSession:
     from pyspark.sql import SparkSession
 
     catalog.init_local_catalog(settings.catalog)
+    if settings.spark_master.startswith("local"):
+        # PySpark picks the worker interpreter from PYSPARK_PYTHON when the context starts.
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder
     for key, value in spark_config(settings).items():
         builder = builder.config(key, value)

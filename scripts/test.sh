@@ -14,8 +14,11 @@ echo "== dagster definitions validate"; .venv/bin/dagster definitions validate -
 echo "== pytest (default tier)"
 .venv/bin/python -m pytest -m "not faults and not browser and not slow" "$@"
 for tier in ${BACKFILL_TEST_TIERS:-}; do
+  # Skip a tier no test carries yet, so the last pytest summary is always one that ran tests.
+  if ! .venv/bin/python -m pytest -q --collect-only -m "$tier" 2>/dev/null | grep -q "::"; then
+    echo "== pytest (-m $tier): no tests carry this marker yet"
+    continue
+  fi
   echo "== pytest (-m $tier)"
-  rc=0; .venv/bin/python -m pytest -m "$tier" "$@" || rc=$?
-  # Exit code 5 means no test carries that marker yet: not a failure.
-  if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then exit "$rc"; fi
+  .venv/bin/python -m pytest -m "$tier" "$@"
 done

@@ -1,0 +1,432 @@
+"""Replay an exact Kafka-time window into a raw Iceberg table, write-audit-publish.
+
+Steps, and what is atomic:
+
+1. **Contract**: the window ``[start, end)`` becomes per-partition ``[start_offset,
+   end_offset)`` through ListOffsets-by-timestamp. No consumer group is joined or committed.
+2. **Read**: Spark's Kafka batch source reads exactly those offsets in executors.
+3. **Parse**: payloads are parsed to VARIANT and upcast per schema version; a record that fails
+   (invalid JSON, unknown version, a contract column NULL or out of range) is quarantined with
+   its offsets, raw bytes and reason. Events repeated by producer retries are dropped (lowest
+   offset wins). Tombstones stay as rows with ``is_tombstone``.
+4. **Write**: quarantine rows overwrite the window in the quarantine table (one atomic commit,
+   kept even if the run fails, as evidence). Table rows overwrite the window on a branch unique
+   to the run (one atomic commit on the branch; main is not touched).
+5. **Audit**: the checks read the branch (see :mod:`backfill_assets.checks`).
+6. **Publish**: one empty commit on the branch records run id, offsets and check outcomes in
+   its snapshot summary; then main is fast-forwarded to it: a single catalog commit, so readers
+   see either the old main or the whole audited window. If main moved since the branch was
+   created, the fast-forward is refused and nothing is published.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from backfill_assets.errors import BackfillError
+from backfill_assets.spec import TopicSpec
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame, SparkSession
+
+    from backfill_assets.resources import IcebergResource, KafkaResource
+    from backfill_assets.settings import Settings
+
+SUMMARY_PREFIX = "backfill."
+_SPARK_TYPES = {
+    "string": "string",
+    "bigint": "bigint",
+    "int": "int",
+    "double": "double",
+    "boolean": "boolean",
+    "timestamp": "timestamp",
+}
+KAFKA_COLUMNS = (
+    ("topic", "string"),
+    ("kafka_partition", "int"),
+    ("kafka_offset", "bigint"),
+    ("kafka_timestamp", "timestamp"),
+    ("kafka_key", "binary"),
+    ("is_tombstone", "boolean"),
+    ("schema_version", "int"),
+)
+
+
+class ReplayError(BackfillError):
+    """A replay could not read, write or publish its window."""
+
+
+class PublishError(ReplayError):
+    """Main could not be moved to the audited snapshot; main is unchanged."""
+
+
+@dataclass(frozen=True)
+class OffsetContract:
+    """Exactly which offsets a window covers: partition -> [start, end)."""
+
+    topic: str
+    start: datetime
+    end: datetime
+    ranges: dict[int, tuple[int, int]]
+
+    @property
+    def records(self) -> int:
+        return sum(e - s for s, e in self.ranges.values())
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {str(p): [s, e] for p, (s, e) in sorted(self.ranges.items())}, separators=(",", ":")
+        )
+
+
+@dataclass
+class ReplayOutcome:
+    """What one replay wrote, with the figures the checks and the UI need."""
+
+    contract: OffsetContract
+    branch: str
+    run_id: str
+    records_read: int
+    rows_written: int
+    duplicates: int
+    quarantined: int
+    checksum: str
+    per_hour: dict[str, dict[str, int]]
+    quarantine_reasons: dict[str, int]
+    main_snapshot_before: int | None
+    branch_snapshot: int | None
+    duration_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def table_ddl(spec: TopicSpec, spark_name: str) -> str:
+    cols = [f"{name} {ctype}" for name, ctype in KAFKA_COLUMNS]
+    cols += [f"{c.name} {_SPARK_TYPES[c.type]}" for c in spec.columns]
+    cols.append("ingest_run_id string")
+    return (
+        f"CREATE TABLE IF NOT EXISTS {spark_name} ({', '.join(cols)}) USING iceberg "
+        "PARTITIONED BY (hours(kafka_timestamp)) "
+        "TBLPROPERTIES ('format-version'='2', 'write.wap.enabled'='true')"
+    )
+
+
+def quarantine_ddl(spark_name: str) -> str:
+    return (
+        f"CREATE TABLE IF NOT EXISTS {spark_name} (topic string, kafka_partition int, "
+        "kafka_offset bigint, kafka_timestamp timestamp, kafka_key binary, kafka_value binary, "
+        "reason string, ingest_run_id string) USING iceberg "
+        "PARTITIONED BY (hours(kafka_timestamp)) TBLPROPERTIES ('format-version'='2')"
+    )
+
+
+def offset_contract(
+    kafka: KafkaResource, topic: str, start: datetime, end: datetime
+) -> OffsetContract:
+    """Map a Kafka-time window to per-partition offsets via ListOffsets-by-timestamp."""
+    if end > datetime.now(UTC):
+        raise ReplayError(
+            f"window {start.isoformat()}..{end.isoformat()} of topic {topic!r} has not closed "
+            "yet; backfill only hours that have ended"
+        )
+    lo = kafka.offsets_for_times(topic, int(start.timestamp() * 1000))
+    hi = kafka.offsets_for_times(topic, int(end.timestamp() * 1000))
+    return OffsetContract(topic, start, end, {p: (lo[p], hi[p]) for p in sorted(lo)})
+
+
+def read_contract(spark: SparkSession, settings: Settings, contract: OffsetContract) -> DataFrame:
+    """Spark's Kafka batch source over exactly the contract's offsets (read in executors)."""
+    topic = contract.topic
+    parts = sorted(contract.ranges)
+    reader = spark.read.format("kafka")
+    for key, value in settings.kafka.spark_options().items():
+        reader = reader.option(key, value)
+    return (
+        reader.option("assign", json.dumps({topic: parts}))
+        .option(
+            "startingOffsets", json.dumps({topic: {str(p): contract.ranges[p][0] for p in parts}})
+        )
+        .option(
+            "endingOffsets", json.dumps({topic: {str(p): contract.ranges[p][1] for p in parts}})
+        )
+        .option("failOnDataLoss", "true")
+        .option("includeHeaders", "false")
+        .load()
+    )
+
+
+def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, DataFrame]:
+    """Split Kafka records into (table rows, quarantine rows), upcast to the latest schema.
+
+    Duplicates are not removed here (see :func:`deduplicate`).
+    """
+    from pyspark.sql import functions as F
+
+    value_str = F.col("value").cast("string")
+    df = raw.select(
+        F.col("topic"),
+        F.col("partition").alias("kafka_partition"),
+        F.col("offset").alias("kafka_offset"),
+        F.col("timestamp").alias("kafka_timestamp"),
+        F.col("key").alias("kafka_key"),
+        F.col("value").alias("kafka_value"),
+        F.col("value").isNull().alias("is_tombstone"),
+        F.try_parse_json(value_str).alias("_v"),
+    )
+    v = F.col("_v")
+    version = F.try_variant_get(v, f"$.{spec.version_field}", "int")
+    df = df.withColumn("schema_version", version)
+    versions = sorted(spec.upcasters)
+    upcast = {ver: spec.upcaster(ver)(v) for ver in versions}
+    for col in spec.columns:
+        expr: Column | None = None
+        for ver in versions:
+            branch = upcast[ver].get(col.name, F.lit(None))
+            expr = (
+                F.when(version == ver, branch)
+                if expr is None
+                else expr.when(version == ver, branch)
+            )
+        assert expr is not None
+        df = df.withColumn(col.name, expr.cast(_SPARK_TYPES[col.type]))
+    key_str = F.col("kafka_key").cast("string")
+    df = df.withColumn(spec.key_field, F.coalesce(F.col(spec.key_field), key_str))
+    reason: Column = F.when(F.col("is_tombstone"), F.lit(None).cast("string"))
+    reason = reason.when(v.isNull(), F.lit("invalid_json"))
+    reason = reason.when(
+        version.isNull() | ~version.isin(versions),
+        F.concat(F.lit("unknown_schema_version:"), F.coalesce(version.cast("string"), F.lit("?"))),
+    )
+    for col in spec.columns:
+        c = F.col(col.name)
+        if not col.nullable:
+            reason = reason.when(c.isNull(), F.lit(f"missing_or_invalid:{col.name}"))
+        if col.allowed is not None:
+            reason = reason.when(~c.isin(list(col.allowed)), F.lit(f"not_allowed:{col.name}"))
+        if col.min is not None:
+            reason = reason.when(c < F.lit(col.min), F.lit(f"below_min:{col.name}"))
+        if col.max is not None:
+            reason = reason.when(c > F.lit(col.max), F.lit(f"above_max:{col.name}"))
+    df = df.withColumn("_reason", reason).withColumn("ingest_run_id", F.lit(run_id))
+    quarantine = df.where(F.col("_reason").isNotNull()).select(
+        "topic",
+        "kafka_partition",
+        "kafka_offset",
+        "kafka_timestamp",
+        "kafka_key",
+        "kafka_value",
+        F.col("_reason").alias("reason"),
+        "ingest_run_id",
+    )
+    table_cols = [name for name, _ in KAFKA_COLUMNS] + [c.name for c in spec.columns]
+    rows = df.where(F.col("_reason").isNull()).select(*table_cols, "ingest_run_id")
+    # Tombstones carry only the key; their payload columns stay NULL.
+    return rows, quarantine
+
+
+def deduplicate(spec: TopicSpec, rows: DataFrame) -> DataFrame:
+    """Keep the lowest offset of every event id (producer retries repeat the same event)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    order = Window.partitionBy(spec.event_id_field).orderBy("kafka_partition", "kafka_offset")
+    events = rows.where(~F.col("is_tombstone"))
+    kept = events.withColumn("_n", F.row_number().over(order)).where(F.col("_n") == 1).drop("_n")
+    return kept.unionByName(rows.where(F.col("is_tombstone")))
+
+
+def checksum_expr(spec: TopicSpec) -> Column:
+    """Order-independent checksum: the sum of a 64-bit hash of every row's key columns."""
+    from pyspark.sql import functions as F
+
+    cols = ["kafka_partition", "kafka_offset", "is_tombstone", *[c.name for c in spec.columns]]
+    return F.coalesce(
+        F.sum(F.xxhash64(*[F.col(c) for c in cols]).cast("decimal(38,0)")), F.lit(0)
+    ).cast("string")
+
+
+def window_filter(contract: OffsetContract) -> Column:
+    from pyspark.sql import functions as F
+
+    start = contract.start.astimezone(UTC).replace(tzinfo=None)
+    end = contract.end.astimezone(UTC).replace(tzinfo=None)
+    return (F.col("kafka_timestamp") >= F.lit(start)) & (F.col("kafka_timestamp") < F.lit(end))
+
+
+def replay_to_branch(
+    spark: SparkSession,
+    *,
+    settings: Settings,
+    kafka: KafkaResource,
+    iceberg: IcebergResource,
+    spec: TopicSpec,
+    start: datetime,
+    end: datetime,
+    run_id: str,
+) -> ReplayOutcome:
+    """Steps 1-4: contract, read, parse, write the window to a run branch (main untouched)."""
+    from pyspark.sql import functions as F
+
+    began = time.monotonic()
+    table = iceberg.spark_name(spec.raw_table)
+    qtable = iceberg.spark_name(spec.quarantine_table)
+    spark.sql(
+        f"CREATE NAMESPACE IF NOT EXISTS {settings.catalog.name}.{settings.catalog.namespace}"
+    )
+    spark.sql(table_ddl(spec, table))
+    spark.sql(quarantine_ddl(qtable))
+
+    contract = offset_contract(kafka, spec.topic, start, end)
+    raw = read_contract(spark, settings, contract).persist()
+    try:
+        records_read = raw.count()
+        rows, quarantine = parse(spec, raw, run_id)
+        rows = deduplicate(spec, rows).persist()
+        quarantine = quarantine.persist()
+        n_rows = rows.count()
+        n_quarantined = quarantine.count()
+        duplicates = records_read - n_quarantined - n_rows
+        checksum = rows.agg(checksum_expr(spec)).first()[0]  # type: ignore[index]
+        per_hour = _per_hour(raw, rows, quarantine)
+        reasons = {
+            r["reason"]: int(r["n"])
+            for r in quarantine.groupBy("reason").agg(F.count("*").alias("n")).collect()
+        }
+
+        props = {
+            f"{SUMMARY_PREFIX}run-id": run_id,
+            f"{SUMMARY_PREFIX}window": f"{start.isoformat()}/{end.isoformat()}",
+            f"{SUMMARY_PREFIX}offsets": contract.to_json(),
+        }
+        quarantine.writeTo(qtable).option(
+            f"snapshot-property.{SUMMARY_PREFIX}run-id", run_id
+        ).overwrite(window_filter(contract))
+
+        main_before = current_snapshot_id(spark, table)
+        branch = branch_name(run_id)
+        spark.sql(f"ALTER TABLE {table} CREATE OR REPLACE BRANCH `{branch}`")
+        writer = rows.writeTo(f"{table}.branch_{branch}")
+        for key, value in props.items():
+            writer = writer.option(f"snapshot-property.{key}", value)
+        writer.overwrite(window_filter(contract))
+        branch_snapshot = ref_snapshot_id(spark, table, branch)
+    finally:
+        raw.unpersist()
+    rows.unpersist()
+    quarantine.unpersist()
+    return ReplayOutcome(
+        contract=contract,
+        branch=branch,
+        run_id=run_id,
+        records_read=records_read,
+        rows_written=n_rows,
+        duplicates=duplicates,
+        quarantined=n_quarantined,
+        checksum=str(checksum),
+        per_hour=per_hour,
+        quarantine_reasons=reasons,
+        main_snapshot_before=main_before,
+        branch_snapshot=branch_snapshot,
+        duration_s=time.monotonic() - began,
+    )
+
+
+def publish(spark: SparkSession, table: str, outcome: ReplayOutcome, checks: dict[str, Any]) -> int:
+    """Step 6: record the audit in the branch's summary, then fast-forward main to it.
+
+    The fast-forward is one catalog commit. It fails (and main stays as it was) if main moved
+    after the branch was created, e.g. because an overlapping run published first.
+    """
+    jtable = _java_table(spark, table)
+    commit = jtable.newFastAppend().toBranch(outcome.branch)
+    summary = {
+        f"{SUMMARY_PREFIX}run-id": outcome.run_id,
+        f"{SUMMARY_PREFIX}window": (
+            f"{outcome.contract.start.isoformat()}/{outcome.contract.end.isoformat()}"
+        ),
+        f"{SUMMARY_PREFIX}offsets": outcome.contract.to_json(),
+        f"{SUMMARY_PREFIX}checks": json.dumps(checks, sort_keys=True, separators=(",", ":")),
+        f"{SUMMARY_PREFIX}checksum": outcome.checksum,
+        f"{SUMMARY_PREFIX}published": "true",
+    }
+    for key, value in summary.items():
+        commit = commit.set(key, value)
+    commit.commit()
+    main_now = current_snapshot_id(spark, table)
+    if main_now != outcome.main_snapshot_before:
+        raise PublishError(
+            f"main of {table} moved from snapshot {outcome.main_snapshot_before} to {main_now} "
+            f"while run {outcome.run_id} was auditing (an overlapping run published first). "
+            f"Nothing was published; branch {outcome.branch!r} is kept. Re-run the backfill."
+        )
+    namespace_table = table.split(".", 1)[1]
+    catalog_name = table.split(".", 1)[0]
+    try:
+        spark.sql(
+            f"CALL {catalog_name}.system.fast_forward('{namespace_table}', 'main', "
+            f"'{outcome.branch}')"
+        ).collect()
+    except Exception as exc:  # Py4J/Spark analysis error: main is unchanged
+        raise PublishError(
+            f"could not fast-forward main of {table} to branch {outcome.branch!r}: "
+            f"{str(exc).splitlines()[0]}. Main is unchanged; re-run the backfill."
+        ) from exc
+    published = ref_snapshot_id(spark, table, "main")
+    assert published is not None
+    spark.sql(f"ALTER TABLE {table} DROP BRANCH IF EXISTS `{outcome.branch}`")
+    return published
+
+
+def branch_name(run_id: str) -> str:
+    return "audit_" + run_id.replace("-", "_")
+
+
+def current_snapshot_id(spark: SparkSession, table: str) -> int | None:
+    return ref_snapshot_id(spark, table, "main")
+
+
+def ref_snapshot_id(spark: SparkSession, table: str, ref: str) -> int | None:
+    rows = spark.sql(f"SELECT snapshot_id FROM {table}.refs WHERE name = '{ref}'").collect()
+    return int(rows[0][0]) if rows else None
+
+
+def _java_table(spark: SparkSession, table: str) -> Any:
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    return jvm.org.apache.iceberg.spark.Spark3Util.loadIcebergTable(spark._jsparkSession, table)
+
+
+def _per_hour(raw: DataFrame, rows: DataFrame, quarantine: DataFrame) -> dict[str, dict[str, int]]:
+    """Per Kafka-time hour: records read, rows written, quarantined, duplicates."""
+    from pyspark.sql import functions as F
+
+    def counts(df: DataFrame) -> dict[str, int]:
+        hour = F.date_trunc(
+            "hour", F.col("timestamp" if "timestamp" in df.columns else "kafka_timestamp")
+        )
+        return {
+            _hour_key(r["h"]): int(r["n"])
+            for r in df.groupBy(hour.alias("h")).agg(F.count("*").alias("n")).collect()
+        }
+
+    read, written, quarantined = counts(raw), counts(rows), counts(quarantine)
+    out: dict[str, dict[str, int]] = {}
+    for hour in sorted(set(read) | set(written) | set(quarantined)):
+        r, w, q = read.get(hour, 0), written.get(hour, 0), quarantined.get(hour, 0)
+        out[hour] = {"read": r, "written": w, "quarantined": q, "duplicates": r - w - q}
+    return out
+
+
+def _hour_key(value: datetime) -> str:
+    return value.replace(tzinfo=UTC).isoformat()
+
+
+def hours_between(start: datetime, end: datetime) -> list[datetime]:
+    out, t = [], start
+    while t < end:
+        out.append(t)
+        t += timedelta(hours=1)
+    return out

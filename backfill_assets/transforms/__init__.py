@@ -1,0 +1,1 @@
+"""Per-topic transforms: upcasters from each schema version to the latest schema."""
