@@ -1,12 +1,15 @@
-"""Assets generated from topics.yaml: one raw table per topic, written write-audit-publish."""
+"""Assets generated from topics.yaml: per topic a raw table and two derived tables, each
+materialization written on a run branch, audited by blocking checks, then published."""
 
-from collections.abc import Iterator
+import json
+from collections.abc import Generator, Iterator, Sequence
+from datetime import datetime
 from typing import Any
 
 import dagster as dg
 from dagster import AssetExecutionContext
 
-from backfill_assets import checks, replay
+from backfill_assets import checks, derived, replay, wap
 from backfill_assets.partitions import kafka_hours
 from backfill_assets.resources import IcebergResource, KafkaResource, SparkResource
 from backfill_assets.spec import TopicSpec
@@ -15,10 +18,58 @@ from backfill_assets.spec import TopicSpec
 # sessions and 5 branches), not 720. A week is also the retry unit: a failed run re-reads at
 # most 168 hours. single_run() would make a month one all-or-nothing branch.
 BACKFILL_POLICY = dg.BackfillPolicy.multi_run(max_partitions_per_run=168)
+POOL = "backfill"
 
 
 def raw_asset_key(spec: TopicSpec) -> dg.AssetKey:
     return dg.AssetKey(["raw", spec.topic])
+
+
+def hourly_asset_key(spec: TopicSpec) -> dg.AssetKey:
+    return dg.AssetKey(["lakehouse", derived.hourly_table(spec)])
+
+
+def current_asset_key(spec: TopicSpec) -> dg.AssetKey:
+    return dg.AssetKey(["lakehouse", derived.current_table(spec)])
+
+
+def _check_specs(key: dg.AssetKey, names: Sequence[str]) -> list[dg.AssetCheckSpec]:
+    return [dg.AssetCheckSpec(name, asset=key, blocking=True) for name in names]
+
+
+def _audit_and_publish(
+    session: Any,
+    table: str,
+    window: dg.TimeWindow,
+    branch: wap.Branch,
+    results: list[checks.CheckOutcome],
+    summary: dict[str, str],
+) -> Generator[dg.AssetCheckResult, None, int]:
+    """Yield every check result; publish only if all passed, else fail naming the figures.
+
+    Returns the snapshot id main was moved to.
+    """
+    for result in results:
+        yield dg.AssetCheckResult(
+            check_name=result.name,
+            passed=result.passed,
+            description=result.summary,
+            metadata=_meta(result.metadata),
+        )
+    failed = [r for r in results if not r.passed]
+    if failed:
+        raise dg.Failure(
+            description=(
+                f"{len(failed)} blocking check(s) failed for {table} "
+                f"{window.start.isoformat()}..{window.end.isoformat()}: "
+                + "; ".join(f"{r.name}: {r.summary}" for r in failed)
+                + f". Main is unchanged; inspect branch {branch.name!r} "
+                f"(SELECT * FROM {branch.ident})."
+            ),
+            metadata={"branch": branch.name, "failed_checks": [r.name for r in failed]},
+        )
+    audit = {**summary, "checks": json.dumps({r.name: "passed" for r in results}, sort_keys=True)}
+    return wap.publish(session, branch, audit)
 
 
 def build_raw_asset(spec: TopicSpec) -> dg.AssetsDefinition:
@@ -26,16 +77,13 @@ def build_raw_asset(spec: TopicSpec) -> dg.AssetsDefinition:
 
     @dg.asset(
         key=key,
-        name=None,
         description=f"Kafka topic {spec.topic!r} replayed by exact offsets, one row per event.",
         partitions_def=kafka_hours(spec),
         backfill_policy=BACKFILL_POLICY,
         group_name="raw",
         kinds={"kafka", "spark", "iceberg"},
-        pool="backfill",
-        check_specs=[
-            dg.AssetCheckSpec(name, asset=key, blocking=True) for name in checks.CHECK_NAMES
-        ],
+        pool=POOL,
+        check_specs=_check_specs(key, checks.CHECK_NAMES),
         metadata={"table": spec.raw_table, "quarantine_table": spec.quarantine_table},
     )
     def _raw(
@@ -47,10 +95,7 @@ def build_raw_asset(spec: TopicSpec) -> dg.AssetsDefinition:
         window = context.partition_time_window
         session = spark.spark_session
         table = iceberg.spark_name(spec.raw_table)
-        context.log.info(
-            f"replaying {spec.topic} {window.start.isoformat()}..{window.end.isoformat()} "
-            f"into branch of {table}"
-        )
+        context.log.info(f"replaying {spec.topic} {_span(window.start, window.end)} into {table}")
         outcome = replay.replay_to_branch(
             session,
             settings=kafka.settings,
@@ -61,26 +106,14 @@ def build_raw_asset(spec: TopicSpec) -> dg.AssetsDefinition:
             end=window.end,
             run_id=context.run.run_id,
         )
-        results = checks.run_checks(session, spec, table, outcome)
-        for result in results:
-            yield dg.AssetCheckResult(
-                check_name=result.name,
-                passed=result.passed,
-                description=result.summary,
-                metadata=_meta(result.metadata),
-            )
-        failed = [r for r in results if not r.passed]
-        if failed:
-            raise dg.Failure(
-                description=(
-                    f"{len(failed)} blocking check(s) failed for {spec.topic} "
-                    f"{window.start.isoformat()}..{window.end.isoformat()}: "
-                    + "; ".join(f"{r.name}: {r.summary}" for r in failed)
-                    + f". Main is unchanged; inspect branch {outcome.branch!r} of {table}."
-                ),
-                metadata={"branch": outcome.branch, "failed_checks": [r.name for r in failed]},
-            )
-        snapshot = replay.publish(session, table, outcome, {r.name: "passed" for r in results})
+        results = checks.run_checks(session, spec, outcome)
+        summary = {
+            **replay.audit_summary(outcome.contract, outcome.run_id),
+            "checksum": outcome.checksum,
+        }
+        snapshot = yield from _audit_and_publish(
+            session, table, window, outcome.branch, results, summary
+        )
         rate = outcome.records_read / outcome.duration_s if outcome.duration_s else 0.0
         yield dg.MaterializeResult(
             metadata={
@@ -95,11 +128,101 @@ def build_raw_asset(spec: TopicSpec) -> dg.AssetsDefinition:
                 "drain_rate_records_per_s": round(rate, 1),
                 "duration_s": round(outcome.duration_s, 2),
                 "snapshot_id": str(snapshot),
-                "main_snapshot_before": str(outcome.main_snapshot_before),
+                "main_snapshot_before": str(outcome.branch.main_before),
+                "branch": outcome.branch.name,
             }
         )
 
     return _raw
+
+
+def build_hourly_asset(spec: TopicSpec) -> dg.AssetsDefinition:
+    key = hourly_asset_key(spec)
+    # Event-time hour H holds events that reached Kafka in hours H .. H + allowed lateness.
+    mapping = dg.TimeWindowPartitionMapping(start_offset=0, end_offset=spec.allowed_lateness_hours)
+
+    @dg.asset(
+        key=key,
+        description=f"Events, orders and amount per event-time hour and currency ({spec.topic}).",
+        partitions_def=kafka_hours(spec),
+        backfill_policy=BACKFILL_POLICY,
+        group_name="lakehouse",
+        kinds={"spark", "iceberg"},
+        pool=POOL,
+        deps=[dg.AssetDep(raw_asset_key(spec), partition_mapping=mapping)],
+        check_specs=_check_specs(key, derived.HOURLY_CHECKS),
+        metadata={"table": derived.hourly_table(spec), "partitioned_by": "event time"},
+    )
+    def _hourly(
+        context: AssetExecutionContext, spark: SparkResource, iceberg: IcebergResource
+    ) -> Iterator[Any]:
+        yield from _derive(context, spark, iceberg, spec, derived.hourly_table(spec), "hourly")
+
+    return _hourly
+
+
+def build_current_asset(spec: TopicSpec) -> dg.AssetsDefinition:
+    key = current_asset_key(spec)
+
+    @dg.asset(
+        key=key,
+        description=f"Latest state per {spec.key_field} ({spec.topic}); tombstones mark deletes.",
+        partitions_def=kafka_hours(spec),
+        backfill_policy=BACKFILL_POLICY,
+        group_name="lakehouse",
+        kinds={"spark", "iceberg"},
+        pool=POOL,
+        deps=[raw_asset_key(spec)],
+        check_specs=_check_specs(key, derived.CURRENT_CHECKS),
+        metadata={"table": derived.current_table(spec), "partitioned_by": "Kafka time"},
+    )
+    def _current(
+        context: AssetExecutionContext, spark: SparkResource, iceberg: IcebergResource
+    ) -> Iterator[Any]:
+        yield from _derive(context, spark, iceberg, spec, derived.current_table(spec), "current")
+
+    return _current
+
+
+def _derive(
+    context: AssetExecutionContext,
+    spark: SparkResource,
+    iceberg: IcebergResource,
+    spec: TopicSpec,
+    name: str,
+    kind: str,
+) -> Iterator[Any]:
+    window = context.partition_time_window
+    session = spark.spark_session
+    table = iceberg.spark_name(name)
+    build = derived.build_hourly if kind == "hourly" else derived.build_current
+    outcome = build(
+        session,
+        spec,
+        iceberg.spark_name(spec.raw_table),
+        table,
+        window.start,
+        window.end,
+        context.run.run_id,
+    )
+    summary = {
+        "run-id": context.run.run_id,
+        "window": f"{window.start.isoformat()}/{window.end.isoformat()}",
+        "source": iceberg.spark_name(spec.raw_table),
+    }
+    snapshot = yield from _audit_and_publish(
+        session, table, window, outcome.branch, outcome.checks, summary
+    )
+    yield dg.MaterializeResult(metadata={**_meta(outcome.metadata), "snapshot_id": str(snapshot)})
+
+
+def build_topic_assets(spec: TopicSpec) -> list[dg.AssetsDefinition]:
+    """Everything one topics.yaml entry produces."""
+    return [build_raw_asset(spec), build_hourly_asset(spec), build_current_asset(spec)]
+
+
+def _span(start: datetime, end: datetime) -> str:
+    return f"{start.isoformat()}..{end.isoformat()}"
 
 
 def _meta(values: dict[str, Any]) -> dict[str, Any]:

@@ -36,11 +36,9 @@ class CheckOutcome:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def run_checks(
-    spark: SparkSession, spec: TopicSpec, table: str, outcome: ReplayOutcome
-) -> list[CheckOutcome]:
+def run_checks(spark: SparkSession, spec: TopicSpec, outcome: ReplayOutcome) -> list[CheckOutcome]:
     """All blocking checks on ``table``'s run branch; none of them writes anything."""
-    branch = spark.table(f"{table}.branch_{outcome.branch}").where(window_filter(outcome.contract))
+    branch = spark.table(outcome.branch.ident).where(window_filter(outcome.contract))
     branch = branch.persist()
     try:
         return [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from backfill_assets.assets import build_raw_asset
+from backfill_assets.assets import build_topic_assets
 from backfill_assets.resources import IcebergResource, KafkaResource, SparkResource
 from backfill_assets.spec import load_specs
 
@@ -16,4 +16,6 @@ RESOURCES: dict[str, object] = {
     "iceberg": IcebergResource(),
 }
 
-defs = dg.Definitions(assets=[build_raw_asset(spec) for spec in SPECS], resources=RESOURCES)
+ASSETS = [asset for spec in SPECS for asset in build_topic_assets(spec)]
+
+defs = dg.Definitions(assets=ASSETS, resources=RESOURCES)

@@ -13,10 +13,7 @@ Steps, and what is atomic:
    kept even if the run fails, as evidence). Table rows overwrite the window on a branch unique
    to the run (one atomic commit on the branch; main is not touched).
 5. **Audit**: the checks read the branch (see :mod:`backfill_assets.checks`).
-6. **Publish**: one empty commit on the branch records run id, offsets and check outcomes in
-   its snapshot summary; then main is fast-forwarded to it: a single catalog commit, so readers
-   see either the old main or the whole audited window. If main moved since the branch was
-   created, the fast-forward is refused and nothing is published.
+6. **Publish**: :func:`backfill_assets.wap.publish` (one catalog commit, or nothing).
 """
 
 from __future__ import annotations
@@ -29,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from backfill_assets.errors import BackfillError
 from backfill_assets.spec import TopicSpec
+from backfill_assets.wap import SUMMARY_PREFIX, Branch, open_branch
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -36,7 +34,6 @@ if TYPE_CHECKING:
     from backfill_assets.resources import IcebergResource, KafkaResource
     from backfill_assets.settings import Settings
 
-SUMMARY_PREFIX = "backfill."
 _SPARK_TYPES = {
     "string": "string",
     "bigint": "bigint",
@@ -58,10 +55,6 @@ KAFKA_COLUMNS = (
 
 class ReplayError(BackfillError):
     """A replay could not read, write or publish its window."""
-
-
-class PublishError(ReplayError):
-    """Main could not be moved to the audited snapshot; main is unchanged."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +81,7 @@ class ReplayOutcome:
     """What one replay wrote, with the figures the checks and the UI need."""
 
     contract: OffsetContract
-    branch: str
+    branch: Branch
     run_id: str
     records_read: int
     rows_written: int
@@ -97,10 +90,18 @@ class ReplayOutcome:
     checksum: str
     per_hour: dict[str, dict[str, int]]
     quarantine_reasons: dict[str, int]
-    main_snapshot_before: int | None
-    branch_snapshot: int | None
     duration_s: float
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def audit_summary(contract: OffsetContract, run_id: str) -> dict[str, str]:
+    """What every snapshot a replay commits records about itself (without the prefix)."""
+    return {
+        "run-id": run_id,
+        "topic": contract.topic,
+        "window": f"{contract.start.isoformat()}/{contract.end.isoformat()}",
+        "offsets": contract.to_json(),
+    }
 
 
 def table_ddl(spec: TopicSpec, spark_name: str) -> str:
@@ -296,23 +297,17 @@ def replay_to_branch(
             for r in quarantine.groupBy("reason").agg(F.count("*").alias("n")).collect()
         }
 
-        props = {
-            f"{SUMMARY_PREFIX}run-id": run_id,
-            f"{SUMMARY_PREFIX}window": f"{start.isoformat()}/{end.isoformat()}",
-            f"{SUMMARY_PREFIX}offsets": contract.to_json(),
-        }
-        quarantine.writeTo(qtable).option(
-            f"snapshot-property.{SUMMARY_PREFIX}run-id", run_id
-        ).overwrite(window_filter(contract))
-
-        main_before = current_snapshot_id(spark, table)
-        branch = branch_name(run_id)
-        spark.sql(f"ALTER TABLE {table} CREATE OR REPLACE BRANCH `{branch}`")
-        writer = rows.writeTo(f"{table}.branch_{branch}")
+        props = audit_summary(contract, run_id)
+        qwriter = quarantine.writeTo(qtable)
         for key, value in props.items():
-            writer = writer.option(f"snapshot-property.{key}", value)
+            qwriter = qwriter.option(f"snapshot-property.{SUMMARY_PREFIX}{key}", value)
+        qwriter.overwrite(window_filter(contract))
+
+        branch = open_branch(spark, table, run_id)
+        writer = rows.writeTo(branch.ident)
+        for key, value in props.items():
+            writer = writer.option(f"snapshot-property.{SUMMARY_PREFIX}{key}", value)
         writer.overwrite(window_filter(contract))
-        branch_snapshot = ref_snapshot_id(spark, table, branch)
     finally:
         raw.unpersist()
     rows.unpersist()
@@ -328,75 +323,8 @@ def replay_to_branch(
         checksum=str(checksum),
         per_hour=per_hour,
         quarantine_reasons=reasons,
-        main_snapshot_before=main_before,
-        branch_snapshot=branch_snapshot,
         duration_s=time.monotonic() - began,
     )
-
-
-def publish(spark: SparkSession, table: str, outcome: ReplayOutcome, checks: dict[str, Any]) -> int:
-    """Step 6: record the audit in the branch's summary, then fast-forward main to it.
-
-    The fast-forward is one catalog commit. It fails (and main stays as it was) if main moved
-    after the branch was created, e.g. because an overlapping run published first.
-    """
-    jtable = _java_table(spark, table)
-    commit = jtable.newFastAppend().toBranch(outcome.branch)
-    summary = {
-        f"{SUMMARY_PREFIX}run-id": outcome.run_id,
-        f"{SUMMARY_PREFIX}window": (
-            f"{outcome.contract.start.isoformat()}/{outcome.contract.end.isoformat()}"
-        ),
-        f"{SUMMARY_PREFIX}offsets": outcome.contract.to_json(),
-        f"{SUMMARY_PREFIX}checks": json.dumps(checks, sort_keys=True, separators=(",", ":")),
-        f"{SUMMARY_PREFIX}checksum": outcome.checksum,
-        f"{SUMMARY_PREFIX}published": "true",
-    }
-    for key, value in summary.items():
-        commit = commit.set(key, value)
-    commit.commit()
-    main_now = current_snapshot_id(spark, table)
-    if main_now != outcome.main_snapshot_before:
-        raise PublishError(
-            f"main of {table} moved from snapshot {outcome.main_snapshot_before} to {main_now} "
-            f"while run {outcome.run_id} was auditing (an overlapping run published first). "
-            f"Nothing was published; branch {outcome.branch!r} is kept. Re-run the backfill."
-        )
-    namespace_table = table.split(".", 1)[1]
-    catalog_name = table.split(".", 1)[0]
-    try:
-        spark.sql(
-            f"CALL {catalog_name}.system.fast_forward('{namespace_table}', 'main', "
-            f"'{outcome.branch}')"
-        ).collect()
-    except Exception as exc:  # Py4J/Spark analysis error: main is unchanged
-        raise PublishError(
-            f"could not fast-forward main of {table} to branch {outcome.branch!r}: "
-            f"{str(exc).splitlines()[0]}. Main is unchanged; re-run the backfill."
-        ) from exc
-    published = ref_snapshot_id(spark, table, "main")
-    assert published is not None
-    spark.sql(f"ALTER TABLE {table} DROP BRANCH IF EXISTS `{outcome.branch}`")
-    return published
-
-
-def branch_name(run_id: str) -> str:
-    return "audit_" + run_id.replace("-", "_")
-
-
-def current_snapshot_id(spark: SparkSession, table: str) -> int | None:
-    return ref_snapshot_id(spark, table, "main")
-
-
-def ref_snapshot_id(spark: SparkSession, table: str, ref: str) -> int | None:
-    rows = spark.sql(f"SELECT snapshot_id FROM {table}.refs WHERE name = '{ref}'").collect()
-    return int(rows[0][0]) if rows else None
-
-
-def _java_table(spark: SparkSession, table: str) -> Any:
-    jvm = spark.sparkContext._jvm
-    assert jvm is not None
-    return jvm.org.apache.iceberg.spark.Spark3Util.loadIcebergTable(spark._jsparkSession, table)
 
 
 def _per_hour(raw: DataFrame, rows: DataFrame, quarantine: DataFrame) -> dict[str, dict[str, int]]:

@@ -1,0 +1,105 @@
+"""Write-audit-publish on Iceberg branches, shared by every table the project writes.
+
+* :func:`open_branch` records main's snapshot and creates (or resets) a branch unique to the
+  run. Nothing readers see changes.
+* Writers commit to ``<table>.branch_<name>``; checks read the same identifier.
+* :func:`publish` makes one empty commit on the branch whose snapshot summary carries the
+  audit (run id, offsets, check outcomes), then fast-forwards main to it. The fast-forward is a
+  single catalog commit: readers see the old main or the whole audited change, never a part.
+  If main moved after :func:`open_branch` (another run published), it refuses and main stays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from backfill_assets.errors import BackfillError
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+SUMMARY_PREFIX = "backfill."
+
+
+class PublishError(BackfillError):
+    """Main could not be moved to the audited snapshot; main is unchanged."""
+
+
+@dataclass(frozen=True)
+class Branch:
+    table: str  # catalog.namespace.table
+    name: str
+    main_before: int | None
+
+    @property
+    def ident(self) -> str:
+        """The Spark identifier that reads and writes the branch."""
+        return f"{self.table}.branch_{self.name}"
+
+
+def branch_name(run_id: str) -> str:
+    return "audit_" + run_id.replace("-", "_")
+
+
+def open_branch(spark: SparkSession, table: str, run_id: str) -> Branch:
+    main_before = ref_snapshot_id(spark, table, "main")
+    name = branch_name(run_id)
+    spark.sql(f"ALTER TABLE {table} CREATE OR REPLACE BRANCH `{name}`")
+    return Branch(table, name, main_before)
+
+
+def publish(spark: SparkSession, branch: Branch, summary: dict[str, str]) -> int:
+    """Record ``summary`` (keys get the ``backfill.`` prefix) and fast-forward main.
+
+    Returns the snapshot id main now points at. On :class:`PublishError` main is unchanged and
+    the branch is kept for inspection; on success the branch is dropped (its snapshots stay in
+    main's history).
+    """
+    jtable = _java_table(spark, branch.table)
+    commit = jtable.newFastAppend().toBranch(branch.name)
+    for key, value in summary.items():
+        commit = commit.set(SUMMARY_PREFIX + key, value)
+    commit = commit.set(SUMMARY_PREFIX + "published", "true")
+    main_now = ref_snapshot_id(spark, branch.table, "main")
+    if main_now != branch.main_before:
+        raise PublishError(
+            f"main of {branch.table} moved from snapshot {branch.main_before} to {main_now} "
+            f"while this run was auditing (an overlapping run published first). Nothing was "
+            f"published; branch {branch.name!r} is kept. Re-run the backfill."
+        )
+    commit.commit()
+    catalog_name, namespace_table = branch.table.split(".", 1)
+    try:
+        spark.sql(
+            f"CALL {catalog_name}.system.fast_forward('{namespace_table}', 'main', '{branch.name}')"
+        ).collect()
+    except Exception as exc:  # a Spark/Iceberg error: the catalog commit did not happen
+        raise PublishError(
+            f"could not fast-forward main of {branch.table} to branch {branch.name!r}: "
+            f"{str(exc).splitlines()[0]}. Main is unchanged; re-run the backfill."
+        ) from exc
+    published = ref_snapshot_id(spark, branch.table, "main")
+    assert published is not None
+    spark.sql(f"ALTER TABLE {branch.table} DROP BRANCH IF EXISTS `{branch.name}`")
+    return published
+
+
+def ref_snapshot_id(spark: SparkSession, table: str, ref: str) -> int | None:
+    rows = spark.sql(f"SELECT snapshot_id FROM {table}.refs WHERE name = '{ref}'").collect()
+    return int(rows[0][0]) if rows else None
+
+
+def main_summary(spark: SparkSession, table: str) -> dict[str, str]:
+    """The snapshot summary of main's current snapshot (empty if the table has none)."""
+    snap = ref_snapshot_id(spark, table, "main")
+    if snap is None:
+        return {}
+    row = spark.sql(f"SELECT summary FROM {table}.snapshots WHERE snapshot_id = {snap}").first()
+    return dict(row[0]) if row is not None else {}
+
+
+def _java_table(spark: SparkSession, table: str) -> Any:
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    return jvm.org.apache.iceberg.spark.Spark3Util.loadIcebergTable(spark._jsparkSession, table)
