@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from backfill_assets.assets import build_raw_asset
 from backfill_assets.definitions import RESOURCES, SPECS
-from backfill_assets.generator import GeneratorConfig, GroundTruth, generate
+from backfill_assets.generator import GeneratorConfig, GroundTruth, generate, hour_iso, plan_events
 from backfill_assets.settings import Settings
 from backfill_assets.spec import TopicSpec
 
@@ -29,6 +30,13 @@ if TYPE_CHECKING:
 START = datetime(2026, 3, 1, tzinfo=UTC)
 RANGE = ("2026-03-01-01:00", "2026-03-01-04:00")  # four hours, inclusive
 HOURS = [datetime(2026, 3, 1, h, tzinfo=UTC).isoformat() for h in range(1, 5)]
+# The generator's malformed kinds and the quarantine reasons the replay gives them.
+REASONS = {
+    "invalid_json": "invalid_json",
+    "missing_event_time": "missing_or_invalid:event_time",
+    "wrong_type": "missing_or_invalid:amount_minor",
+    "unknown_schema_version": "unknown_schema_version:9",
+}
 
 
 @dataclasses.dataclass
@@ -143,6 +151,26 @@ def test_backfill_matches_ground_truth_and_publishes(
         f"lake.{stack_settings.catalog.namespace}.{world.spec.quarantine_table}"
     ).count()
     assert quarantined == totals["malformed"]
+
+    # Per hour, the audit's figures equal the generator's truth.
+    evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    per_hour: dict[str, Any] = evaluations["count_reconciliation"].metadata["per_hour"].value  # type: ignore[assignment]
+    for hour in HOURS:
+        truth = world.truth.kafka_hours[hour]
+        assert per_hour[hour] == {
+            "read": truth["records"],
+            "written": truth["valid"] + truth["tombstones"],
+            "duplicates": truth["duplicates"],
+            "quarantined": truth["malformed"],
+        }, hour
+    # Every malformed record is quarantined with the reason the generator planted.
+    planted = Counter(
+        REASONS[str(r.malformed_reason)]
+        for r in plan_events(world.truth.generator_config())
+        if r.kind == "malformed" and hour_iso(r.timestamp_ms) in HOURS
+    )
+    reasons = evaluations["quarantine_ratio"].metadata["reasons"].value
+    assert reasons == dict(planted)
 
     summary = _main_summary(spark_session, world.table)
     assert summary["backfill.run-id"] == result.run_id

@@ -16,8 +16,13 @@ if [ ! -f .stack/demo/orders.ground-truth.json ]; then
 else
   echo "demo history already written (.stack/demo/orders.ground-truth.json)"
 fi
-if [ -f scripts/demo_backfill.sh ]; then
-  bash scripts/demo_backfill.sh
+# First backfill: the first 6 hours of the demo history (raw + current state; the event-time
+# table for the hours whose late events have all arrived). Skipped once it has succeeded.
+if [ ! -f .stack/demo/first-backfill.done ]; then
+  start=$(.venv/bin/python -c "import json; print(json.load(open('.stack/demo/orders.ground-truth.json'))['start'])")
+  end=$(.venv/bin/python -c "from datetime import datetime, timedelta; print((datetime.fromisoformat('$start') + timedelta(hours=6)).isoformat())")
+  $cli materialize --topic orders --start "$start" --end "$end"
+  touch .stack/demo/first-backfill.done
 fi
 
 echo "Dagster UI: http://127.0.0.1:${BACKFILL_WEBSERVER_PORT:-3000}  (Ctrl-C stops it; the broker keeps running: '$cli stack down' stops it)"
