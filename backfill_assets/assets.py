@@ -3,13 +3,13 @@ materialization written on a run branch, audited by blocking checks, then publis
 
 import json
 from collections.abc import Generator, Iterator, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import dagster as dg
 from dagster import AssetExecutionContext
 
-from backfill_assets import checks, derived, replay, wap
+from backfill_assets import audit, checks, derived, replay, wap
 from backfill_assets.partitions import kafka_hours
 from backfill_assets.resources import IcebergResource, KafkaResource, SparkResource
 from backfill_assets.spec import TopicSpec
@@ -38,17 +38,21 @@ def _check_specs(key: dg.AssetKey, names: Sequence[str]) -> list[dg.AssetCheckSp
 
 
 def _audit_and_publish(
+    context: AssetExecutionContext,
+    iceberg: IcebergResource,
     session: Any,
     table: str,
-    window: dg.TimeWindow,
     branch: wap.Branch,
     results: list[checks.CheckOutcome],
     summary: dict[str, str],
+    figures: dict[str, Any],
 ) -> Generator[dg.AssetCheckResult, None, int]:
     """Yield every check result; publish only if all passed, else fail naming the figures.
 
+    Every outcome (published, checks failed, publish refused) is appended to the audit table.
     Returns the snapshot id main was moved to.
     """
+    window = context.partition_time_window
     for result in results:
         yield dg.AssetCheckResult(
             check_name=result.name,
@@ -56,20 +60,53 @@ def _audit_and_publish(
             description=result.summary,
             metadata=_meta(result.metadata),
         )
+    tags = dict(context.run.tags)
+    record = {
+        "table_name": table,
+        "run_id": context.run.run_id,
+        "backfill_id": tags.get("dagster/backfill"),
+        "launched_by": audit.launched_by(tags),
+        "window_start": window.start,
+        "window_end": window.end,
+        "offsets": summary.get("offsets"),
+        "snapshot_before": branch.main_before,
+        "checks": audit.checks_json({r.name: r.passed for r in results}),
+        "started_at": figures.pop("started_at", None),
+        **figures,
+    }
     failed = [r for r in results if not r.passed]
     if failed:
+        detail = "; ".join(f"{r.name}: {r.summary}" for r in failed)
+        _record(iceberg, "check_failed", "failed", record, detail=detail)
         raise dg.Failure(
             description=(
                 f"{len(failed)} blocking check(s) failed for {table} "
-                f"{window.start.isoformat()}..{window.end.isoformat()}: "
-                + "; ".join(f"{r.name}: {r.summary}" for r in failed)
-                + f". Main is unchanged; inspect branch {branch.name!r} "
-                f"(SELECT * FROM {branch.ident})."
+                f"{_span(window.start, window.end)}: {detail}. Main is unchanged; inspect "
+                f"branch {branch.name!r} (SELECT * FROM {branch.ident})."
             ),
             metadata={"branch": branch.name, "failed_checks": [r.name for r in failed]},
         )
-    audit = {**summary, "checks": json.dumps({r.name: "passed" for r in results}, sort_keys=True)}
-    return wap.publish(session, branch, audit)
+    audit_summary = {
+        **summary,
+        "checks": json.dumps({r.name: "passed" for r in results}, sort_keys=True),
+    }
+    try:
+        snapshot = wap.publish(session, branch, audit_summary)
+    except wap.PublishError as exc:
+        _record(iceberg, "publish_refused", "failed", record, detail=str(exc))
+        raise
+    _record(iceberg, "publish", "succeeded", {**record, "snapshot_after": snapshot})
+    return snapshot
+
+
+def _record(
+    iceberg: IcebergResource, event: str, outcome: str, fields: dict[str, Any], **extra: Any
+) -> None:
+    audit.append(
+        iceberg.catalog(),
+        iceberg.settings.catalog.namespace,
+        audit.AuditRecord(event=event, outcome=outcome, **fields, **extra),
+    )
 
 
 def build_raw_asset(spec: TopicSpec) -> dg.AssetsDefinition:
@@ -93,6 +130,7 @@ def build_raw_asset(spec: TopicSpec) -> dg.AssetsDefinition:
         iceberg: IcebergResource,
     ) -> Iterator[Any]:
         window = context.partition_time_window
+        started = datetime.now(UTC)
         session = spark.spark_session
         table = iceberg.spark_name(spec.raw_table)
         context.log.info(f"replaying {spec.topic} {_span(window.start, window.end)} into {table}")
@@ -112,7 +150,18 @@ def build_raw_asset(spec: TopicSpec) -> dg.AssetsDefinition:
             "checksum": outcome.checksum,
         }
         snapshot = yield from _audit_and_publish(
-            session, table, window, outcome.branch, results, summary
+            context,
+            iceberg,
+            session,
+            table,
+            outcome.branch,
+            results,
+            summary,
+            {
+                "started_at": started,
+                "records_read": outcome.records_read,
+                "rows_written": outcome.rows_written,
+            },
         )
         rate = outcome.records_read / outcome.duration_s if outcome.duration_s else 0.0
         yield dg.MaterializeResult(
@@ -125,6 +174,9 @@ def build_raw_asset(spec: TopicSpec) -> dg.AssetsDefinition:
                     {str(p): list(r) for p, r in outcome.contract.ranges.items()}
                 ),
                 "checksum": outcome.checksum,
+                "bytes_read": outcome.bytes_read,
+                "bytes_written": outcome.bytes_written,
+                "files_written": outcome.files_written,
                 "drain_rate_records_per_s": round(rate, 1),
                 "duration_s": round(outcome.duration_s, 2),
                 "snapshot_id": str(snapshot),
@@ -193,6 +245,7 @@ def _derive(
     kind: str,
 ) -> Iterator[Any]:
     window = context.partition_time_window
+    started = datetime.now(UTC)
     session = spark.spark_session
     table = iceberg.spark_name(name)
     build = derived.build_hourly if kind == "hourly" else derived.build_current
@@ -211,7 +264,14 @@ def _derive(
         "source": iceberg.spark_name(spec.raw_table),
     }
     snapshot = yield from _audit_and_publish(
-        session, table, window, outcome.branch, outcome.checks, summary
+        context,
+        iceberg,
+        session,
+        table,
+        outcome.branch,
+        outcome.checks,
+        summary,
+        {"started_at": started},
     )
     yield dg.MaterializeResult(metadata={**_meta(outcome.metadata), "snapshot_id": str(snapshot)})
 

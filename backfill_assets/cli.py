@@ -7,14 +7,22 @@ whose message says what to run next; the CLI prints it and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
+import os
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import yaml
 
 from backfill_assets import catalog, jars
 from backfill_assets.broker import LocalBroker
 from backfill_assets.errors import BackfillError
 from backfill_assets.settings import Settings
+from backfill_assets.spec import TopicSpec
 
 
 def _cmd_jars(args: argparse.Namespace, settings: Settings) -> int:
@@ -100,20 +108,9 @@ def _cmd_materialize(args: argparse.Namespace, settings: Settings) -> int:
         hourly_asset_key,
         raw_asset_key,
     )
-    from backfill_assets.definitions import SPECS, defs
+    from backfill_assets.definitions import defs
 
-    specs = {s.topic: s for s in SPECS}
-    if args.topic not in specs:
-        raise BackfillError(f"unknown topic {args.topic!r}; topics.yaml has: {', '.join(specs)}")
-    spec = specs[args.topic]
-    start, end = _parse_hour(args.start, "--start"), _parse_hour(args.end, "--end")
-    if end <= start:
-        raise BackfillError("--end must be after --start (the range is [start, end))")
-    if start < spec.partition_start:
-        raise BackfillError(
-            f"--start {start.isoformat()} is before the first partition of {args.topic!r} "
-            f"({spec.partition_start.isoformat()})"
-        )
+    spec, start, end = _topic_range(args)
     lateness = timedelta(hours=spec.allowed_lateness_hours)
     plan = [([raw_asset_key(spec), current_asset_key(spec)], start, end)]
     if end - lateness > start:
@@ -143,6 +140,200 @@ def _cmd_materialize(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _topic_range(args: argparse.Namespace) -> tuple[TopicSpec, datetime, datetime]:
+    from backfill_assets.definitions import SPECS
+
+    specs = {s.topic: s for s in SPECS}
+    if args.topic not in specs:
+        raise BackfillError(f"unknown topic {args.topic!r}; topics.yaml has: {', '.join(specs)}")
+    spec = specs[args.topic]
+    start, end = _parse_hour(args.start, "--start"), _parse_hour(args.end, "--end")
+    if end <= start:
+        raise BackfillError("--end must be after --start (the range is [start, end))")
+    if start < spec.partition_start:
+        raise BackfillError(
+            f"--start {start.isoformat()} is before the first partition of {args.topic!r} "
+            f"({spec.partition_start.isoformat()})"
+        )
+    if end > datetime.now(UTC).replace(minute=0, second=0, microsecond=0):
+        raise BackfillError(
+            f"--end {end.isoformat()} is in an hour that has not closed yet; "
+            "backfill only hours that have ended"
+        )
+    return spec, start, end
+
+
+def _cmd_plan(args: argparse.Namespace, settings: Settings) -> int:
+    import dagster as dg
+
+    from backfill_assets.planner import make_plan
+    from backfill_assets.resources import KafkaResource
+
+    spec, start, end = _topic_range(args)
+    instance = dg.DagsterInstance.get() if os.environ.get("DAGSTER_HOME") else None
+    plan = make_plan(
+        KafkaResource(),
+        spec,
+        start,
+        end,
+        instance=instance,
+        concurrency=_backfill_concurrency(),
+        window=_parse_duration(args.window) if args.window else None,
+    )
+    print(plan.to_json() if args.json else plan.human())
+    return 0 if all(s.color != "red" for s in plan.scorecard) else 1
+
+
+def _cmd_backfill(args: argparse.Namespace, settings: Settings) -> int:
+    from backfill_assets import launch
+    from backfill_assets.assets import current_asset_key, hourly_asset_key, raw_asset_key
+
+    spec, start, end = _topic_range(args)
+    fmt = "%Y-%m-%d-%H:%M"
+    last = end - timedelta(hours=1)
+    ranges = [(raw_asset_key(spec), start, last), (current_asset_key(spec), start, last)]
+    hourly_last = last - timedelta(hours=spec.allowed_lateness_hours)
+    if hourly_last >= start:
+        ranges.append((hourly_asset_key(spec), start, hourly_last))
+    client = launch.DagsterClient(
+        args.webserver or f"http://{settings.webserver_host}:{settings.webserver_port}"
+    )
+    tags = {"backfill_assets/launched_by": f"cli:{getpass.getuser()}"}
+    ids = []
+    # One Dagster backfill per distinct range (the UI's backfill object takes one range per
+    # asset, and the event-time table's range ends earlier by the allowed lateness).
+    for first, stop in sorted({(a, b) for _, a, b in ranges}):
+        keys = [k for k, a, b in ranges if (a, b) == (first, stop)]
+        backfill_id = launch.launch_backfill(
+            client,
+            keys,
+            f"{first:{fmt}}",
+            f"{stop:{fmt}}",
+            tags,
+            title=f"{spec.topic} {first:{fmt}}..{stop:{fmt}}",
+        )
+        ids.append(backfill_id)
+        names = ", ".join(k.to_user_string() for k in keys)
+        print(f"launched backfill {backfill_id}: {names} {first:{fmt}}...{stop:{fmt}}")
+    if not args.wait:
+        print("follow it in the Dagster UI (Overview -> Backfills) or re-run with --wait")
+        return 0
+    ok = True
+    for backfill_id in ids:
+        final = launch.wait(
+            client, backfill_id, timeout_s=args.timeout, on_progress=_printer(backfill_id)
+        )
+        print()
+        ok = ok and final.succeeded
+        if not final.succeeded:
+            print(
+                f"error: backfill {backfill_id} ended {final.status} with {final.failed} failed "
+                "partition(s); open it in the Dagster UI for the failed checks and runs",
+                file=sys.stderr,
+            )
+    return 0 if ok else 1
+
+
+def _printer(backfill_id: str) -> Callable[[Any], None]:
+    tty = sys.stdout.isatty()
+    last: list[str] = [""]
+
+    def show(progress: Any) -> None:
+        line = f"{backfill_id} {progress.line()}"
+        if tty:
+            print("\r" + line, end="", flush=True)
+        elif line != last[0]:
+            print(line, flush=True)
+        last[0] = line
+
+    return show
+
+
+def _cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
+    from backfill_assets import audit
+
+    rows = audit.query(
+        catalog.load(settings.catalog),
+        settings.catalog.namespace,
+        table_name=_full_table(args.table, settings) if args.table else None,
+        run_id=args.run,
+        backfill_id=args.backfill,
+        limit=args.limit,
+    )
+    if args.json:
+        print(json.dumps(rows, default=str, indent=2))
+        return 0
+    if not rows:
+        print("no audit rows match")
+        return 0
+    for r in rows:
+        window = (
+            f"{r['window_start']:%Y-%m-%d %H:%M}..{r['window_end']:%H:%M}"
+            if r["window_start"]
+            else "-"
+        )
+        print(
+            f"{r['finished_at']:%Y-%m-%d %H:%M:%S} {r['event']:<15} {r['outcome']:<11} "
+            f"{r['table_name']} {window} run={r['run_id'] or '-'} "
+            f"backfill={r['backfill_id'] or '-'} by={r['launched_by'] or '-'} "
+            f"snapshot {r['snapshot_before']} -> {r['snapshot_after']}"
+            + (f"\n    {r['detail']}" if r["detail"] else "")
+        )
+    return 0
+
+
+def _cmd_rollback(args: argparse.Namespace, settings: Settings) -> int:
+    from backfill_assets.rollback import rollback
+
+    results = rollback(
+        catalog.load(settings.catalog),
+        settings.catalog.namespace,
+        run_id=args.run,
+        backfill_id=args.backfill,
+        table_name=_full_table(args.table, settings) if args.table else None,
+        force=args.force,
+        launched_by=f"cli:{getpass.getuser()}",
+    )
+    for r in results:
+        print(
+            f"rolled back {r.table_name}: main {r.snapshot_before} -> {r.restored_snapshot} "
+            f"(undid {', '.join(r.undone_runs)}"
+            + (f"; discarded {', '.join(r.discarded_later_runs)}" if r.discarded_later_runs else "")
+            + ")"
+        )
+    return 0
+
+
+def _full_table(name: str, settings: Settings) -> str:
+    parts = name.split(".")
+    if len(parts) == 1:
+        return f"{settings.catalog.name}.{settings.catalog.namespace}.{name}"
+    if len(parts) == 2:
+        return f"{settings.catalog.name}.{name}"
+    return name
+
+
+def _backfill_concurrency() -> int:
+    """The run-queue limit for backfill runs, from the instance's dagster.yaml."""
+    home = os.environ.get("DAGSTER_HOME")
+    path = Path(home) / "dagster.yaml" if home else None
+    if path is None or not path.is_file():
+        return 1
+    doc = yaml.safe_load(path.read_text()) or {}
+    limits = doc.get("concurrency", {}).get("runs", {}).get("tag_concurrency_limits", [])
+    for limit in limits:
+        if limit.get("key") == "dagster/backfill":
+            return int(limit.get("limit", 1))
+    return int(doc.get("concurrency", {}).get("runs", {}).get("max_concurrent_runs", 1))
+
+
+def _parse_duration(text: str) -> timedelta:
+    units = {"m": 60, "h": 3600, "d": 86400}
+    if len(text) < 2 or text[-1] not in units or not text[:-1].isdigit():
+        raise BackfillError(f"--window {text!r} is not a duration; use e.g. 90m, 6h or 2d")
+    return timedelta(seconds=int(text[:-1]) * units[text[-1]])
+
+
 def _parse_hour(text: str, flag: str) -> datetime:
     try:
         value = datetime.fromisoformat(text)
@@ -155,6 +346,12 @@ def _parse_hour(text: str, flag: str) -> datetime:
     if value.minute or value.second or value.microsecond:
         raise BackfillError(f"{flag} {text!r} must be on a whole hour, e.g. 2026-01-01T05:00Z")
     return value.astimezone(UTC)
+
+
+def _range_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--topic", default="orders")
+    p.add_argument("--start", required=True, help="first hour, ISO-8601 UTC (inclusive)")
+    p.add_argument("--end", required=True, help="end hour, ISO-8601 UTC (exclusive)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,6 +385,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--start", help="first hour (ISO-8601, UTC); default: now minus --hours")
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("plan", help="replay contract, duration, cost and readiness of a range")
+    _range_args(p)
+    p.add_argument("--window", help="time available, e.g. 90m, 6h, 2d")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("backfill", help="launch a Dagster partition backfill (as the UI does)")
+    _range_args(p)
+    p.add_argument("--wait", action="store_true", help="show progress until it ends")
+    p.add_argument("--timeout", type=float, help="seconds to wait at most")
+    p.add_argument("--webserver", help="webserver URL (default from BACKFILL_WEBSERVER_*)")
+    p.set_defaults(func=_cmd_backfill)
+
+    p = sub.add_parser("audit", help="query the audit table")
+    p.add_argument("--table", help="table name, e.g. raw_orders")
+    p.add_argument("--run", help="a Dagster run id")
+    p.add_argument("--backfill", help="a Dagster backfill id")
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_audit)
+
+    p = sub.add_parser("rollback", help="restore tables to their snapshot before a run/backfill")
+    who = p.add_mutually_exclusive_group(required=True)
+    who.add_argument("--run", help="a Dagster run id")
+    who.add_argument("--backfill", help="a Dagster backfill id")
+    p.add_argument("--table", help="only this table (default: every table it published to)")
+    p.add_argument("--force", action="store_true", help="also discard later publishes")
+    p.set_defaults(func=_cmd_rollback)
 
     p = sub.add_parser(
         "materialize", help="materialize a Kafka-time range of a topic's tables in-process"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.errors import BackfillError
@@ -90,6 +90,9 @@ class ReplayOutcome:
     checksum: str
     per_hour: dict[str, dict[str, int]]
     quarantine_reasons: dict[str, int]
+    bytes_read: int
+    bytes_written: int
+    files_written: int
     duration_s: float
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -102,6 +105,16 @@ def audit_summary(contract: OffsetContract, run_id: str) -> dict[str, str]:
         "window": f"{contract.start.isoformat()}/{contract.end.isoformat()}",
         "offsets": contract.to_json(),
     }
+
+
+def branch_write_stats(spark: SparkSession, branch: Branch) -> dict[str, int]:
+    """Numeric figures of the snapshot at the head of ``branch`` (files and bytes added...)."""
+    row = spark.sql(
+        f"SELECT s.summary FROM {branch.table}.snapshots s JOIN {branch.table}.refs r "
+        f"ON s.snapshot_id = r.snapshot_id WHERE r.name = '{branch.name}'"
+    ).first()
+    summary = dict(row[0]) if row is not None else {}
+    return {k: int(v) for k, v in summary.items() if v.isdigit()}
 
 
 def table_ddl(spec: TopicSpec, spark_name: str) -> str:
@@ -283,7 +296,17 @@ def replay_to_branch(
     contract = offset_contract(kafka, spec.topic, start, end)
     raw = read_contract(spark, settings, contract).persist()
     try:
-        records_read = raw.count()
+        stats = raw.agg(
+            F.count("*").alias("n"),
+            F.coalesce(
+                F.sum(
+                    F.coalesce(F.length("value"), F.lit(0)) + F.coalesce(F.length("key"), F.lit(0))
+                ),
+                F.lit(0),
+            ).alias("bytes"),
+        ).first()
+        assert stats is not None
+        records_read, bytes_read = int(stats["n"]), int(stats["bytes"])
         rows, quarantine = parse(spec, raw, run_id)
         rows = deduplicate(spec, rows).persist()
         quarantine = quarantine.persist()
@@ -308,6 +331,7 @@ def replay_to_branch(
         for key, value in props.items():
             writer = writer.option(f"snapshot-property.{SUMMARY_PREFIX}{key}", value)
         writer.overwrite(window_filter(contract))
+        written = branch_write_stats(spark, branch)
     finally:
         raw.unpersist()
     rows.unpersist()
@@ -323,6 +347,9 @@ def replay_to_branch(
         checksum=str(checksum),
         per_hour=per_hour,
         quarantine_reasons=reasons,
+        bytes_read=bytes_read,
+        bytes_written=written.get("added-files-size", 0),
+        files_written=written.get("added-data-files", 0),
         duration_s=time.monotonic() - began,
     )
 
@@ -350,11 +377,3 @@ def _per_hour(raw: DataFrame, rows: DataFrame, quarantine: DataFrame) -> dict[st
 
 def _hour_key(value: datetime) -> str:
     return value.replace(tzinfo=UTC).isoformat()
-
-
-def hours_between(start: datetime, end: datetime) -> list[datetime]:
-    out, t = [], start
-    while t < end:
-        out.append(t)
-        t += timedelta(hours=1)
-    return out

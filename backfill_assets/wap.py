@@ -43,7 +43,15 @@ def branch_name(run_id: str) -> str:
 
 
 def open_branch(spark: SparkSession, table: str, run_id: str) -> Branch:
+    """Create (or reset) the run's branch from main's current snapshot.
+
+    A table that has never been published first gets an empty snapshot on main, so every
+    publish has a real "before" snapshot that a rollback can return to.
+    """
     main_before = ref_snapshot_id(spark, table, "main")
+    if main_before is None:
+        _java_table(spark, table).newFastAppend().set(SUMMARY_PREFIX + "init", "true").commit()
+        main_before = ref_snapshot_id(spark, table, "main")
     name = branch_name(run_id)
     spark.sql(f"ALTER TABLE {table} CREATE OR REPLACE BRANCH `{name}`")
     return Branch(table, name, main_before)
