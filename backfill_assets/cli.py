@@ -199,39 +199,32 @@ def _cmd_backfill(args: argparse.Namespace, settings: Settings) -> int:
         args.webserver or f"http://{settings.webserver_host}:{settings.webserver_port}"
     )
     tags = {"backfill_assets/launched_by": f"cli:{getpass.getuser()}"}
-    ids = []
-    # One Dagster backfill per distinct range (the UI's backfill object takes one range per
-    # asset, and the event-time table's range ends earlier by the allowed lateness).
-    for first, stop in sorted({(a, b) for _, a, b in ranges}):
-        keys = [k for k, a, b in ranges if (a, b) == (first, stop)]
-        backfill_id = launch.launch_backfill(
-            client,
-            keys,
-            f"{first:{fmt}}",
-            f"{stop:{fmt}}",
-            tags,
-            title=f"{spec.topic} {first:{fmt}}..{stop:{fmt}}",
+    backfill_id = launch.launch_backfill(
+        client,
+        [(key, f"{first:{fmt}}", f"{stop:{fmt}}") for key, first, stop in ranges],
+        tags,
+        title=f"{spec.topic} {start:{fmt}}..{last:{fmt}}",
+    )
+    for key, first, stop in ranges:
+        print(
+            f"launched backfill {backfill_id}: {key.to_user_string()} {first:{fmt}}...{stop:{fmt}}"
         )
-        ids.append(backfill_id)
-        names = ", ".join(k.to_user_string() for k in keys)
-        print(f"launched backfill {backfill_id}: {names} {first:{fmt}}...{stop:{fmt}}")
     if not args.wait:
         print("follow it in the Dagster UI (Overview -> Backfills) or re-run with --wait")
         return 0
-    ok = True
-    for backfill_id in ids:
-        final = launch.wait(
-            client, backfill_id, timeout_s=args.timeout, on_progress=_printer(backfill_id)
+    final = launch.wait(
+        client, backfill_id, timeout_s=args.timeout, on_progress=_printer(backfill_id)
+    )
+    print()
+    if not final.succeeded:
+        print(
+            f"error: backfill {backfill_id} ended {final.status} with {final.failed} failed "
+            "asset partition(s); open it in the Dagster UI for the failed checks and runs, then "
+            f"`backfill-assets audit --backfill {backfill_id}`",
+            file=sys.stderr,
         )
-        print()
-        ok = ok and final.succeeded
-        if not final.succeeded:
-            print(
-                f"error: backfill {backfill_id} ended {final.status} with {final.failed} failed "
-                "partition(s); open it in the Dagster UI for the failed checks and runs",
-                file=sys.stderr,
-            )
-    return 0 if ok else 1
+        return 1
+    return 0
 
 
 def _printer(backfill_id: str) -> Callable[[Any], None]:

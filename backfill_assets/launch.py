@@ -126,7 +126,7 @@ class Progress:
         bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
         eta = f"ETA {self.eta_s:,.0f}s" if self.eta_s is not None else "ETA -"
         return (
-            f"[{bar}] {self.done}/{self.targeted} partitions ({self.failed} failed) "
+            f"[{bar}] {self.done}/{self.targeted} asset partitions ({self.failed} failed) "
             f"{self.records:,} records {self.rate:,.0f} rec/s {eta} {self.status}"
         )
 
@@ -160,20 +160,22 @@ class DagsterClient:
 
 def launch_backfill(
     client: DagsterClient,
-    asset_keys: Sequence[dg.AssetKey],
-    first_partition: str,
-    last_partition: str,
+    ranges: Sequence[tuple[dg.AssetKey, str, str]],
     tags: dict[str, str],
     title: str,
 ) -> str:
-    """Launch one asset backfill over ``[first_partition, last_partition]``; return its id."""
+    """Launch one asset backfill; ``ranges`` gives each asset its first and last partition.
+
+    Dagster executes the assets of one backfill in dependency order, so a derived asset waits
+    for the raw partitions it reads.
+    """
     params = {
         "partitionsByAssets": [
             {
                 "assetKey": {"path": list(key.path)},
-                "partitions": {"range": {"start": first_partition, "end": last_partition}},
+                "partitions": {"range": {"start": first, "end": last}},
             }
-            for key in asset_keys
+            for key, first, last in ranges
         ],
         "tags": [{"key": k, "value": v} for k, v in sorted(tags.items())],
         "title": title,

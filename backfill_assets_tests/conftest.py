@@ -8,8 +8,15 @@ cache (``scripts/bootstrap.sh`` resolves them; the fixture re-checks, which is a
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -84,3 +91,68 @@ def iceberg_catalog(stack_settings: Settings) -> Catalog:
     cat = catalog.load(stack_settings.catalog)
     cat.create_namespace_if_not_exists(stack_settings.catalog.namespace)
     return cat
+
+
+@pytest.fixture(scope="session")
+def dagster_services(stack_settings: Settings, stack_env: dict[str, str]) -> Iterator[str]:
+    """A real Dagster webserver and daemon on this session's instance; yields the base URL.
+
+    Both load workspace.yaml exactly as `dagster dev` does; runs they launch are subprocesses
+    that inherit the session's BACKFILL_* environment (so they reach the session's broker).
+    """
+    home = Path(stack_env["BACKFILL_HOME"]) / "dagster-home"
+    home.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
+    port = _free_port()
+    env = {**os.environ, **stack_env, "DAGSTER_HOME": str(home)}
+    bin_dir = Path(sys.executable).parent
+    logs = home / "services.log"
+    procs = []
+    with logs.open("ab") as log:
+        for cmd in (
+            [
+                str(bin_dir / "dagster-webserver"),
+                "-w",
+                "workspace.yaml",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(port),
+            ],
+            [str(bin_dir / "dagster-daemon"), "run", "-w", "workspace.yaml"],
+        ):
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=REPO_ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/server_info", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                    raise RuntimeError(
+                        f"Dagster services did not start; see {logs}:\n"
+                        + logs.read_text(errors="replace")[-2000:]
+                    ) from None
+                time.sleep(1)
+        yield url
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
