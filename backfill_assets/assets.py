@@ -3,6 +3,7 @@ materialization written on a run branch, audited by blocking checks, then publis
 
 import json
 from collections.abc import Generator, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -78,13 +79,15 @@ def _audit_and_publish(
     if failed:
         detail = "; ".join(f"{r.name}: {r.summary}" for r in failed)
         _record(iceberg, "check_failed", "failed", record, detail=detail)
-        raise dg.Failure(
-            description=(
-                f"{len(failed)} blocking check(s) failed for {table} "
-                f"{_span(window.start, window.end)}: {detail}. Main is unchanged; inspect "
-                f"branch {branch.name!r} (SELECT * FROM {branch.ident})."
-            ),
-            metadata={"branch": branch.name, "failed_checks": [r.name for r in failed]},
+        raise _audited(
+            dg.Failure(
+                description=(
+                    f"{len(failed)} blocking check(s) failed for {table} "
+                    f"{_span(window.start, window.end)}: {detail}. Main is unchanged; inspect "
+                    f"branch {branch.name!r} (SELECT * FROM {branch.ident})."
+                ),
+                metadata={"branch": branch.name, "failed_checks": [r.name for r in failed]},
+            )
         )
     audit_summary = {
         **summary,
@@ -94,7 +97,7 @@ def _audit_and_publish(
         snapshot = wap.publish(session, branch, audit_summary)
     except wap.PublishError as exc:
         _record(iceberg, "publish_refused", "failed", record, detail=str(exc))
-        raise
+        raise _audited(exc) from None
     _record(iceberg, "publish", "succeeded", {**record, "snapshot_after": snapshot})
     return snapshot
 
@@ -107,6 +110,51 @@ def _record(
         iceberg.settings.catalog.namespace,
         audit.AuditRecord(event=event, outcome=outcome, **fields, **extra),
     )
+
+
+_AUDITED = "_backfill_assets_audited"
+
+
+def _audited(exc: BaseException) -> BaseException:
+    """Mark an exception whose failure is already in the audit table."""
+    setattr(exc, _AUDITED, True)
+    return exc
+
+
+@contextmanager
+def _audit_failures(
+    context: AssetExecutionContext, iceberg: IcebergResource, table: str
+) -> Iterator[None]:
+    """Record any failure not yet audited (read, write or catalog errors), then re-raise it.
+
+    If the audit table itself cannot be written, the original error still propagates.
+    """
+    try:
+        yield
+    except Exception as exc:
+        if getattr(exc, _AUDITED, False):
+            raise
+        window = context.partition_time_window
+        tags = dict(context.run.tags)
+        first_line = (str(exc).strip().splitlines() or [""])[0][:500]
+        try:
+            _record(
+                iceberg,
+                "run_failed",
+                "failed",
+                {
+                    "table_name": table,
+                    "run_id": context.run.run_id,
+                    "backfill_id": tags.get("dagster/backfill"),
+                    "launched_by": audit.launched_by(tags),
+                    "window_start": window.start,
+                    "window_end": window.end,
+                },
+                detail=f"{type(exc).__name__}: {first_line}",
+            )
+        except Exception as audit_exc:
+            context.log.error(f"could not write the audit row for this failure: {audit_exc}")
+        raise
 
 
 def build_raw_asset(spec: TopicSpec) -> dg.AssetsDefinition:
@@ -129,63 +177,75 @@ def build_raw_asset(spec: TopicSpec) -> dg.AssetsDefinition:
         kafka: KafkaResource,
         iceberg: IcebergResource,
     ) -> Iterator[Any]:
-        window = context.partition_time_window
-        started = datetime.now(UTC)
-        session = spark.spark_session
         table = iceberg.spark_name(spec.raw_table)
-        context.log.info(f"replaying {spec.topic} {_span(window.start, window.end)} into {table}")
-        outcome = replay.replay_to_branch(
-            session,
-            settings=kafka.settings,
-            kafka=kafka,
-            iceberg=iceberg,
-            spec=spec,
-            start=window.start,
-            end=window.end,
-            run_id=context.run.run_id,
-        )
-        results = checks.run_checks(session, spec, outcome)
-        summary = {
-            **replay.audit_summary(outcome.contract, outcome.run_id),
-            "checksum": outcome.checksum,
-        }
-        snapshot = yield from _audit_and_publish(
-            context,
-            iceberg,
-            session,
-            table,
-            outcome.branch,
-            results,
-            summary,
-            {
-                "started_at": started,
-                "records_read": outcome.records_read,
-                "rows_written": outcome.rows_written,
-            },
-        )
-        rate = outcome.records_read / outcome.duration_s if outcome.duration_s else 0.0
-        yield dg.MaterializeResult(
-            metadata={
-                "records_read": outcome.records_read,
-                "rows_written": outcome.rows_written,
-                "duplicates": outcome.duplicates,
-                "quarantined": outcome.quarantined,
-                "offsets": dg.MetadataValue.json(
-                    {str(p): list(r) for p, r in outcome.contract.ranges.items()}
-                ),
-                "checksum": outcome.checksum,
-                "bytes_read": outcome.bytes_read,
-                "bytes_written": outcome.bytes_written,
-                "files_written": outcome.files_written,
-                "drain_rate_records_per_s": round(rate, 1),
-                "duration_s": round(outcome.duration_s, 2),
-                "snapshot_id": str(snapshot),
-                "main_snapshot_before": str(outcome.branch.main_before),
-                "branch": outcome.branch.name,
-            }
-        )
+        with _audit_failures(context, iceberg, table):
+            yield from _replay_raw(context, spark, kafka, iceberg, spec)
 
     return _raw
+
+
+def _replay_raw(
+    context: AssetExecutionContext,
+    spark: SparkResource,
+    kafka: KafkaResource,
+    iceberg: IcebergResource,
+    spec: TopicSpec,
+) -> Iterator[Any]:
+    window = context.partition_time_window
+    started = datetime.now(UTC)
+    session = spark.spark_session
+    table = iceberg.spark_name(spec.raw_table)
+    context.log.info(f"replaying {spec.topic} {_span(window.start, window.end)} into {table}")
+    outcome = replay.replay_to_branch(
+        session,
+        settings=kafka.settings,
+        kafka=kafka,
+        iceberg=iceberg,
+        spec=spec,
+        start=window.start,
+        end=window.end,
+        run_id=context.run.run_id,
+    )
+    results = checks.run_checks(session, spec, outcome)
+    summary = {
+        **replay.audit_summary(outcome.contract, outcome.run_id),
+        "checksum": outcome.checksum,
+    }
+    snapshot = yield from _audit_and_publish(
+        context,
+        iceberg,
+        session,
+        table,
+        outcome.branch,
+        results,
+        summary,
+        {
+            "started_at": started,
+            "records_read": outcome.records_read,
+            "rows_written": outcome.rows_written,
+        },
+    )
+    rate = outcome.records_read / outcome.duration_s if outcome.duration_s else 0.0
+    yield dg.MaterializeResult(
+        metadata={
+            "records_read": outcome.records_read,
+            "rows_written": outcome.rows_written,
+            "duplicates": outcome.duplicates,
+            "quarantined": outcome.quarantined,
+            "offsets": dg.MetadataValue.json(
+                {str(p): list(r) for p, r in outcome.contract.ranges.items()}
+            ),
+            "checksum": outcome.checksum,
+            "bytes_read": outcome.bytes_read,
+            "bytes_written": outcome.bytes_written,
+            "files_written": outcome.files_written,
+            "drain_rate_records_per_s": round(rate, 1),
+            "duration_s": round(outcome.duration_s, 2),
+            "snapshot_id": str(snapshot),
+            "main_snapshot_before": str(outcome.branch.main_before),
+            "branch": outcome.branch.name,
+        }
+    )
 
 
 def build_hourly_asset(spec: TopicSpec) -> dg.AssetsDefinition:
@@ -244,10 +304,22 @@ def _derive(
     name: str,
     kind: str,
 ) -> Iterator[Any]:
+    table = iceberg.spark_name(name)
+    with _audit_failures(context, iceberg, table):
+        yield from _derive_body(context, spark, iceberg, spec, table, kind)
+
+
+def _derive_body(
+    context: AssetExecutionContext,
+    spark: SparkResource,
+    iceberg: IcebergResource,
+    spec: TopicSpec,
+    table: str,
+    kind: str,
+) -> Iterator[Any]:
     window = context.partition_time_window
     started = datetime.now(UTC)
     session = spark.spark_session
-    table = iceberg.spark_name(name)
     build = derived.build_hourly if kind == "hourly" else derived.build_current
     outcome = build(
         session,

@@ -22,7 +22,7 @@ from pyiceberg.exceptions import CommitFailedException
 from backfill_assets.errors import BackfillError
 
 AUDIT_TABLE = "backfill_audit"
-EVENTS = ("publish", "check_failed", "publish_refused", "rollback")
+EVENTS = ("publish", "check_failed", "publish_refused", "run_failed", "rollback")
 
 _TS = pa.timestamp("us", tz="UTC")
 SCHEMA = pa.schema(

@@ -11,11 +11,13 @@ import getpass
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import dagster as dg
 import yaml
 
 from backfill_assets import catalog, jars
@@ -101,7 +103,6 @@ def _cmd_materialize(args: argparse.Namespace, settings: Settings) -> int:
     instance of $DAGSTER_HOME (the run shows in the UI). Raw and current-state tables cover
     [start, end); the event-time table covers [start, end - allowed lateness), the hours whose
     events have all arrived within the range."""
-    import dagster as dg
 
     from backfill_assets.assets import (
         current_asset_key,
@@ -164,7 +165,6 @@ def _topic_range(args: argparse.Namespace) -> tuple[TopicSpec, datetime, datetim
 
 
 def _cmd_plan(args: argparse.Namespace, settings: Settings) -> int:
-    import dagster as dg
 
     from backfill_assets.planner import make_plan
     from backfill_assets.resources import KafkaResource
@@ -261,7 +261,7 @@ def _cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     for r in rows:
         window = (
-            f"{r['window_start']:%Y-%m-%d %H:%M}..{r['window_end']:%H:%M}"
+            f"{r['window_start']:%Y-%m-%dT%H:%M}..{r['window_end']:%Y-%m-%dT%H:%MZ}"
             if r["window_start"]
             else "-"
         )
@@ -419,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Dagster flags beta parameters (backfill_policy) on every load; operators need not see it.
+    warnings.filterwarnings("ignore", category=dg.BetaWarning)
+    warnings.filterwarnings("ignore", category=dg.PreviewWarning)
     args = build_parser().parse_args(argv)
     try:
         settings = Settings.from_env()

@@ -15,7 +15,7 @@ from typing import Any
 import dagster as dg
 from confluent_kafka import Consumer, TopicPartition
 
-from backfill_assets.assets import BACKFILL_POLICY, raw_asset_key
+from backfill_assets.assets import BACKFILL_POLICY, hourly_asset_key, raw_asset_key
 from backfill_assets.replay import OffsetContract, offset_contract
 from backfill_assets.resources import KafkaResource
 from backfill_assets.spec import TopicSpec
@@ -24,7 +24,13 @@ SAMPLE_RECORDS = 2000
 # Fixed cost of one run (process, Spark session, branch, checks, publish), used until history
 # has measured it. Measured on the demo stack: see the issue closing notes.
 RUN_OVERHEAD_S = 25.0
-DEFAULT_WRITE_RATIO = 0.6  # Parquet bytes written per Kafka byte read, until measured
+DEFAULT_WRITE_RATIO = 0.6
+# Time from launch until the daemon starts the first run (backfill daemon tick + run queue);
+# observed ~19 s on the demo stack.
+DAEMON_LATENCY_S = 20.0
+# The event-time table runs after the raw runs it depends on; its run's wall time until
+# history has measured it (observed 36 s on the demo stack).
+HOURLY_TAIL_S = 35.0  # Parquet bytes written per Kafka byte read, until measured
 COST_YELLOW_BYTES = 10 * 2**30
 COST_RED_BYTES = 100 * 2**30
 
@@ -47,10 +53,12 @@ class Plan:
     records: int
     estimated_bytes: int
     schema_versions_seen: list[int]
+    unknown_versions_seen: list[int]
     expected_rows_at_most: int
     all_in_kafka: bool
     missing_offsets: dict[str, list[int]]
     drain_rate_records_per_s: float
+    run_overhead_s: float
     rate_source: str
     runs: int
     concurrency: int
@@ -71,10 +79,17 @@ class Plan:
             "  offsets      "
             + ", ".join(f"p{p}:[{s},{e})" for p, (s, e) in sorted(self.offsets.items())),
             f"  records      {self.records:,} (~{_size(self.estimated_bytes)}); schema versions "
-            f"seen {self.schema_versions_seen or 'none'}; rows <= {self.expected_rows_at_most:,}",
+            f"seen {self.schema_versions_seen or 'none'}"
+            + (
+                f" (unknown {self.unknown_versions_seen}: quarantined)"
+                if self.unknown_versions_seen
+                else ""
+            )
+            + f"; rows <= {self.expected_rows_at_most:,}",
             "  in Kafka     "
             + ("all of it" if self.all_in_kafka else "NO: " + json.dumps(self.missing_offsets)),
-            f"  drain rate   {self.drain_rate_records_per_s:,.0f} records/s ({self.rate_source})",
+            f"  drain rate   {self.drain_rate_records_per_s:,.0f} records/s + "
+            f"{self.run_overhead_s:.0f}s per run ({self.rate_source})",
             f"  runs         {self.runs} (<= {BACKFILL_POLICY.max_partitions_per_run} partitions "
             f"each), {self.concurrency} at a time",
             f"  duration     ~{_duration(self.predicted_duration_s)}"
@@ -109,23 +124,31 @@ def make_plan(
         str(p): [s, min(e, low[p])] for p, (s, e) in contract.ranges.items() if s < low.get(p, 0)
     }
     sample = _sample(kafka, contract)
-    history = _history(instance, raw_asset_key(spec)) if instance is not None else []
-    if history:
-        rate = statistics.median(h["rate"] for h in history)
-        overhead = statistics.median(h["overhead"] for h in history)
-        source = f"median of {len(history)} earlier runs"
-        ratio = (
-            statistics.median(h["write_ratio"] for h in history if h["write_ratio"])
-            if any(h["write_ratio"] for h in history)
-            else DEFAULT_WRITE_RATIO
-        )
-    else:
-        rate, overhead, ratio = sample["rate"], RUN_OVERHEAD_S, DEFAULT_WRITE_RATIO
-        source = f"sample read of {sample['count']} records (no earlier runs)"
+    history = _history(instance, raw_asset_key(spec)) if instance is not None else {}
+    per_run_history = list(history.values())[:20]
+    overhead, rate, source = _fit(per_run_history, sample["rate"])
+    ratios = [h["write_ratio"] for h in per_run_history if h["write_ratio"]]
+    ratio = statistics.median(ratios) if ratios else DEFAULT_WRITE_RATIO
     runs = max(1, math.ceil(partitions / BACKFILL_POLICY.max_partitions_per_run))  # type: ignore[operator]
     waves = math.ceil(runs / max(1, concurrency))
     per_run_records = contract.records / runs
-    predicted = waves * (overhead + (per_run_records / rate if rate > 0 else 0.0))
+    finished = _backfill_history(instance, raw_asset_key(spec), history) if instance else []
+    if len({r for r, _ in finished}) >= 2:
+        # Whole earlier backfills (launch to last run end): includes the daemon's latencies.
+        slope, intercept = statistics.linear_regression(
+            [r for r, _ in finished], [w for _, w in finished]
+        )
+        fixed = max(intercept, 0.0)
+        per_record = max(slope, 0.0)
+        predicted = fixed + waves * per_run_records * per_record + (runs - 1) * overhead
+        source += f"; whole-backfill fit over {len(finished)} earlier backfills"
+    else:
+        tail = HOURLY_TAIL_S
+        if instance is not None:
+            tails = [h["wall_s"] for h in _history(instance, hourly_asset_key(spec)).values()]
+            tail = statistics.median(tails) if tails else HOURLY_TAIL_S
+        per_run = overhead + (per_run_records / rate if rate > 0 else 0.0)
+        predicted = DAEMON_LATENCY_S + waves * per_run + tail
     est_bytes = int(sample["avg_bytes"] * contract.records)
     window_s = window.total_seconds() if window is not None else None
     fits = None if window_s is None else predicted <= window_s
@@ -138,11 +161,13 @@ def make_plan(
         offsets={str(p): [s, e] for p, (s, e) in contract.ranges.items()},
         records=contract.records,
         estimated_bytes=est_bytes,
-        schema_versions_seen=sample["versions"],
+        schema_versions_seen=[v for v in sample["versions"] if v in spec.upcasters],
+        unknown_versions_seen=[v for v in sample["versions"] if v not in spec.upcasters],
         expected_rows_at_most=contract.records,
         all_in_kafka=not missing,
         missing_offsets=missing,
         drain_rate_records_per_s=rate,
+        run_overhead_s=overhead,
         rate_source=source,
         runs=runs,
         concurrency=concurrency,
@@ -267,8 +292,8 @@ def _version(value: bytes) -> int | None:
     return version if isinstance(version, int) else None
 
 
-def _history(instance: dg.DagsterInstance, key: dg.AssetKey) -> list[dict[str, float]]:
-    """Measured drain rate and per-run overhead of recent raw runs, one entry per run."""
+def _history(instance: dg.DagsterInstance, key: dg.AssetKey) -> dict[str, dict[str, float]]:
+    """Per recent raw run: records read, wall time (start to end of the run) and write ratio."""
     result = instance.fetch_materializations(key, limit=200)
     per_run: dict[str, dict[str, float]] = {}
     for record in result.records:
@@ -276,21 +301,59 @@ def _history(instance: dg.DagsterInstance, key: dg.AssetKey) -> list[dict[str, f
         if mat is None or record.run_id in per_run:
             continue
         meta = {k: v.value for k, v in mat.metadata.items()}
-        records, duration = meta.get("records_read"), meta.get("duration_s")
-        if not isinstance(records, int) or not isinstance(duration, float | int) or records == 0:
+        records = meta.get("records_read", meta.get("events", 0))
+        if not isinstance(records, int):
             continue
-        measured = meta.get("drain_rate_records_per_s")
-        rate = float(measured) if isinstance(measured, float | int) and measured else 0.0
-        rate = rate or records / max(float(duration), 1e-3)
+        stats = instance.get_run_stats(record.run_id)
+        if stats.start_time is None or stats.end_time is None:
+            continue
         read_b, written_b = meta.get("bytes_read"), meta.get("bytes_written")
         per_run[record.run_id] = {
-            "rate": rate,
-            "overhead": RUN_OVERHEAD_S,
+            "records": float(records),
+            "wall_s": stats.end_time - stats.start_time,
             "write_ratio": float(written_b) / float(read_b)
             if isinstance(read_b, int) and isinstance(written_b, int) and read_b
             else 0.0,
         }
-    return list(per_run.values())[:20]
+    return per_run
+
+
+def _backfill_history(
+    instance: dg.DagsterInstance, key: dg.AssetKey, runs: dict[str, dict[str, float]]
+) -> list[tuple[float, float]]:
+    """(records, wall seconds from launch to the end of its last run) of finished backfills."""
+    out = []
+    for backfill in instance.get_backfills(limit=50):
+        if backfill.status.value not in ("COMPLETED", "COMPLETED_SUCCESS"):
+            continue
+        if key not in (backfill.asset_selection or []):
+            continue
+        records = instance.get_run_records(
+            dg.RunsFilter(tags={"dagster/backfill": backfill.backfill_id})
+        )
+        ends = [r.end_time for r in records if r.end_time is not None]
+        total = sum(
+            runs[r.dagster_run.run_id]["records"] for r in records if r.dagster_run.run_id in runs
+        )
+        if ends and total:
+            out.append((float(total), max(ends) - backfill.backfill_timestamp))
+    return out
+
+
+def _fit(history: list[dict[str, float]], sample_rate: float) -> tuple[float, float, str]:
+    """(fixed seconds per run, records per second) from run history, else defaults."""
+    xs = [h["records"] for h in history]
+    ys = [h["wall_s"] for h in history]
+    if len(set(xs)) >= 2:
+        slope, intercept = statistics.linear_regression(xs, ys)
+        if slope > 0:
+            return max(intercept, 0.0), 1.0 / slope, f"fit over {len(xs)} earlier runs"
+    if history:
+        overhead = min(RUN_OVERHEAD_S, statistics.median(ys) * 0.9)
+        spent = statistics.median(y - overhead for y in ys)
+        rate = statistics.median(xs) / spent if spent > 0 else sample_rate
+        return overhead, rate, f"{len(history)} earlier run(s) + default overhead"
+    return RUN_OVERHEAD_S, sample_rate, "sample read (no earlier runs) + default overhead"
 
 
 def _size(n: float) -> str:

@@ -91,6 +91,19 @@ def test_hourly_aggregate_equals_ground_truth(world: World, spark_session: Spark
     }
     assert got == expected
 
+    # Re-running an overlapping, shorter range replaces exactly those hours (regression: a
+    # day-partitioned table could not overwrite an hour range).
+    again = _run(world, [hourly_table(world.spec)], "2026-04-01-02:00", "2026-04-01-03:00")
+    assert again.success, again.all_events
+    rows = spark_session.table(f"{world.ns}.{hourly_table(world.spec)}").collect()
+    assert {
+        (r["event_hour"].replace(tzinfo=UTC).isoformat(), r["currency"]): (
+            r["events"],
+            r["amount_minor"],
+        )
+        for r in rows
+    } == expected
+
 
 def _expected_state(config: GeneratorConfig) -> dict[str, tuple[bool, str | None]]:
     """Last valid event or tombstone per order by (event time or Kafka time, offset)."""

@@ -217,3 +217,18 @@ def test_failed_check_leaves_main_untouched(world: World, spark_session: SparkSe
         r["name"] for r in spark_session.sql(f"SELECT name FROM {world.table}.refs").collect()
     }
     assert f"audit_{result.run_id.replace('-', '_')}" in branches, "failed branch is kept"
+
+
+def test_any_failure_is_audited(world: World, stack_settings: Settings) -> None:
+    from backfill_assets import audit, catalog
+
+    missing = dataclasses.replace(world.spec, topic=f"missing_{uuid.uuid4().hex[:6]}")
+    result = _backfill(world, missing)
+    assert not result.success
+    rows = audit.query(
+        catalog.load(stack_settings.catalog),
+        stack_settings.catalog.namespace,
+        run_id=result.run_id,
+    )
+    assert [r["event"] for r in rows] == ["run_failed"]
+    assert missing.topic in rows[0]["detail"] and "does not exist" in rows[0]["detail"]
