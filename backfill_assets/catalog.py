@@ -70,7 +70,13 @@ def pyiceberg_properties(cfg: CatalogSettings) -> dict[str, str]:
 def spark_properties(cfg: CatalogSettings) -> dict[str, str]:
     """``spark.sql.catalog.<name>.*`` settings for the same catalog; may contain secrets."""
     base = f"spark.sql.catalog.{cfg.name}"
-    conf = {base: "org.apache.iceberg.spark.SparkCatalog", f"{base}.warehouse": cfg.warehouse}
+    conf = {
+        base: "org.apache.iceberg.spark.SparkCatalog",
+        f"{base}.warehouse": cfg.warehouse,
+        # Other processes (runs, sensors, CLI rollbacks through pyiceberg) commit to the same
+        # tables: a session-level metadata cache would let a run branch from a stale main.
+        f"{base}.cache-enabled": "false",
+    }
     if cfg.kind == "sql":
         conf[f"{base}.type"] = "jdbc"
         conf[f"{base}.uri"] = _jdbc_url(cfg.uri)

@@ -297,6 +297,68 @@ def _cmd_rollback(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _cmd_gaps(args: argparse.Namespace, settings: Settings) -> int:
+    from backfill_assets import detect
+    from backfill_assets.definitions import SPECS
+    from backfill_assets.resources import KafkaResource
+
+    specs = {s.topic: s for s in SPECS}
+    if args.topic not in specs:
+        raise BackfillError(f"unknown topic {args.topic!r}; topics.yaml has: {', '.join(specs)}")
+    spec = specs[args.topic]
+    cat = catalog.load(settings.catalog)
+    ns = settings.catalog.namespace
+    found = detect.find(
+        KafkaResource(), cat, ns, spec, retention_horizon=timedelta(hours=args.horizon_hours)
+    )
+    late = detect.late_event_hours(cat, ns, spec)
+    hour = timedelta(hours=1)
+
+    def ranges(hours: list[datetime]) -> list[dict[str, str]]:
+        out = []
+        for first, last in detect.contiguous(hours, 168):
+            end = last + hour
+            out.append(
+                {
+                    "start": first.isoformat(),
+                    "end": end.isoformat(),
+                    "fill": f"backfill-assets backfill --topic {spec.topic} "
+                    f"--start {first:%Y-%m-%dT%H:%MZ} --end {end:%Y-%m-%dT%H:%MZ} --wait",
+                }
+            )
+        return out
+
+    raw_gaps, current_gaps = ranges(found.raw_gaps), ranges(found.current_gaps)
+    hourly_due = {h.isoformat(): why for h, why in sorted(found.hourly_due.items())}
+    late_hours = {h.isoformat(): why for h, why in sorted(late.items())}
+    if args.json:
+        report = {
+            "topic": spec.topic,
+            "raw_gaps": raw_gaps,
+            "current_gaps": current_gaps,
+            "hourly_due": hourly_due,
+            "late_event_hours": late_hours,
+            "retention_risks": found.retention_risks,
+        }
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"topic {spec.topic!r}: Kafka hours checked up to {found.closed_until}")
+        for name, gaps in (("raw_gaps", raw_gaps), ("current_gaps", current_gaps)):
+            print(f"{name}: {len(gaps) or 'none'}")
+            for r in gaps:
+                print(f"  {r['start']} .. {r['end']}   fill: {r['fill']}")
+        for name, due in (("hourly_due", hourly_due), ("late_event_hours", late_hours)):
+            print(f"{name}: {len(due) or 'none'}")
+            for h, why in due.items():
+                print(f"  {h}  {why}")
+        risks = found.retention_risks
+        print(f"retention risks (within {args.horizon_hours} h): {len(risks) or 'none'}")
+        for r in risks:
+            print(f"  {r['hour']} leaves Kafka at {r['leaves_kafka_at']} offsets {r['offsets']}")
+    empty = not (found.raw_gaps or found.current_gaps or found.hourly_due or late)
+    return 0 if empty else 1
+
+
 def _full_table(name: str, settings: Settings) -> str:
     parts = name.split(".")
     if len(parts) == 1:
@@ -391,6 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, help="seconds to wait at most")
     p.add_argument("--webserver", help="webserver URL (default from BACKFILL_WEBSERVER_*)")
     p.set_defaults(func=_cmd_backfill)
+
+    p = sub.add_parser("gaps", help="what the gap and late-data sensors see, with fill commands")
+    p.add_argument("--topic", default="orders")
+    p.add_argument("--horizon-hours", type=int, default=24, help="retention warning horizon")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_gaps)
 
     p = sub.add_parser("audit", help="query the audit table")
     p.add_argument("--table", help="table name, e.g. raw_orders")

@@ -6,6 +6,7 @@ import dagster as dg
 
 from backfill_assets.assets import build_topic_assets
 from backfill_assets.resources import IcebergResource, KafkaResource, SparkResource
+from backfill_assets.sensors import build_gap_sensor, build_late_data_sensor
 from backfill_assets.spec import load_specs
 
 SPECS = load_specs()
@@ -17,5 +18,8 @@ RESOURCES: dict[str, object] = {
 }
 
 ASSETS = [asset for spec in SPECS for asset in build_topic_assets(spec)]
+SENSORS = [
+    sensor for spec in SPECS for sensor in (build_gap_sensor(spec), build_late_data_sensor(spec))
+]
 
-defs = dg.Definitions(assets=ASSETS, resources=RESOURCES)
+defs = dg.Definitions(assets=ASSETS, sensors=SENSORS, resources=RESOURCES)

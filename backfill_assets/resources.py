@@ -94,6 +94,33 @@ class KafkaResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         finally:
             consumer.close()
 
+    def offsets_for_many(self, topic: str, timestamps_ms: list[int]) -> dict[int, dict[int, int]]:
+        """:meth:`offsets_for_times` for many timestamps over one consumer (one ListOffsets
+        request per timestamp: librdkafka answers one timestamp per partition per request)."""
+        consumer = self.offsets_consumer()
+        try:
+            parts = self.partitions(topic)
+            highs = {
+                p: int(
+                    consumer.get_watermark_offsets(
+                        TopicPartition(topic, p), timeout=self.request_timeout_s
+                    )[1]
+                )
+                for p in parts
+            }
+            out: dict[int, dict[int, int]] = {}
+            for ts in timestamps_ms:
+                found = consumer.offsets_for_times(
+                    [TopicPartition(topic, p, ts) for p in parts], timeout=self.request_timeout_s
+                )
+                out[ts] = {
+                    tp.partition: int(tp.offset) if tp.offset >= 0 else highs[tp.partition]
+                    for tp in found
+                }
+            return out
+        finally:
+            consumer.close()
+
     def watermarks(self, topic: str) -> dict[int, tuple[int, int]]:
         """Per partition, (log start offset, high watermark)."""
         consumer = self.offsets_consumer()

@@ -119,6 +119,7 @@ class Settings:
     dagster_storage: Path
     webserver_host: str
     webserver_port: int
+    sensors_running: bool = True
 
     @property
     def kafka_data_dir(self) -> Path:
@@ -199,6 +200,7 @@ class Settings:
             ).resolve(),
             webserver_host=env.get("BACKFILL_WEBSERVER_HOST", "127.0.0.1"),
             webserver_port=_int(env, "BACKFILL_WEBSERVER_PORT", 3000),
+            sensors_running=_switch(env, "BACKFILL_SENSORS", default=True),
         )
 
 
@@ -213,6 +215,17 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
     if value <= 0:
         raise SettingsError(f"{name}={raw!r} must be a positive whole number")
     return value
+
+
+def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw.lower() in ("on", "true", "1", "yes"):
+        return True
+    if raw.lower() in ("off", "false", "0", "no"):
+        return False
+    raise SettingsError(f"{name}={raw!r} is not a switch; allowed: on, off")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -53,6 +53,8 @@ def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
         "BACKFILL_KAFKA_CONTROLLER_PORT": str(controller),
         "BACKFILL_DAGSTER_STORAGE": str(home / "dagster"),
         "PYICEBERG_HOME": str(home / "pyiceberg-home"),
+        # Sensors stay off in the test daemon; tests evaluate them tick by tick.
+        "BACKFILL_SENSORS": "off",
     }
     with pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():

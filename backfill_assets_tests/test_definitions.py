@@ -17,6 +17,13 @@ def test_asset_keys_and_resources() -> None:
     assert set(repo.get_top_level_resources()) >= {"kafka", "spark", "iceberg"}
     graph = defs.resolve_asset_graph()
     assert set(graph.get_all_asset_keys()) == {RAW, HOURLY, CURRENT}
+    sensors = {s.name: s for s in defs.sensors or []}
+    assert set(sensors) == {"orders_offset_gaps", "orders_late_data"}
+    assert set(sensors["orders_offset_gaps"].asset_selection.resolve(graph)) == {  # type: ignore[union-attr]
+        RAW,
+        HOURLY,
+        CURRENT,
+    }
 
 
 def test_blocking_checks_users_rely_on() -> None:

@@ -1,0 +1,277 @@
+"""What is missing or stale: the Kafka log compared with what main of each table has published.
+
+The authoritative checkpoint is the snapshot summaries on main (``backfill.window``,
+``backfill.run-id``): a rolled-back publish leaves main's history and so becomes a gap again.
+Everything here reads Kafka metadata and Iceberg metadata (pyiceberg), never data files except
+for the late-data look-up, and never starts Spark, so sensors stay cheap.
+
+Kafka-time hours are compared as units: an hour "has records" when some partition's offsets
+for it are non-empty (ListOffsets-by-timestamp at the hour's bounds). Transaction markers and
+compaction holes only shift offsets inside an hour's range, so they never create a gap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from itertools import pairwise
+from typing import Any
+
+from pyiceberg.catalog import Catalog
+from pyiceberg.exceptions import NoSuchTableError
+
+from backfill_assets.resources import KafkaResource
+from backfill_assets.spec import TopicSpec
+from backfill_assets.wap import SUMMARY_PREFIX
+
+HOUR = timedelta(hours=1)
+PARTITION_FMT = "%Y-%m-%d-%H:%M"
+
+
+@dataclass(frozen=True)
+class Publish:
+    """One publish still on main: its window, run and commit time."""
+
+    start: datetime
+    end: datetime
+    run_id: str
+    committed_ms: int
+
+
+@dataclass
+class Findings:
+    """Per table, the hours (partition starts) to (re)materialize, and retention risks."""
+
+    raw_gaps: list[datetime] = field(default_factory=list)
+    current_gaps: list[datetime] = field(default_factory=list)
+    hourly_due: dict[datetime, str] = field(default_factory=dict)  # hour -> reason
+    retention_risks: list[dict[str, Any]] = field(default_factory=list)
+    closed_until: datetime | None = None
+
+
+def published(catalog: Catalog, identifier: str) -> list[Publish]:
+    """Publishes in main's history (newest first); empty if the table does not exist."""
+    try:
+        table = catalog.load_table(identifier)
+    except NoSuchTableError:
+        return []
+    out: list[Publish] = []
+    snap_id = table.metadata.current_snapshot_id
+    while snap_id is not None:
+        snap = table.metadata.snapshot_by_id(snap_id)
+        if snap is None:
+            break
+        summary = snap.summary
+        if summary is not None and summary.get(f"{SUMMARY_PREFIX}published") == "true":
+            window = summary.get(f"{SUMMARY_PREFIX}window") or ""
+            start_s, _, end_s = window.partition("/")
+            if start_s and end_s:
+                out.append(
+                    Publish(
+                        datetime.fromisoformat(start_s),
+                        datetime.fromisoformat(end_s),
+                        summary.get(f"{SUMMARY_PREFIX}run-id") or "?",
+                        snap.timestamp_ms,
+                    )
+                )
+        snap_id = snap.parent_snapshot_id
+    return out
+
+
+def covered_hours(publishes: list[Publish]) -> dict[datetime, Publish]:
+    """Hour -> the newest publish on main that covers it."""
+    out: dict[datetime, Publish] = {}
+    for pub in sorted(publishes, key=lambda p: p.committed_ms):
+        hour = pub.start
+        while hour < pub.end:
+            out[hour] = pub
+            hour += HOUR
+    return out
+
+
+def hours_with_records(
+    kafka: KafkaResource, topic: str, first: datetime, last: datetime
+) -> dict[datetime, dict[int, tuple[int, int]]]:
+    """Kafka-time hours in ``[first, last)`` that hold records, with their offsets."""
+    hours = []
+    hour = first
+    while hour <= last:
+        hours.append(hour)
+        hour += HOUR
+    bounds = kafka.offsets_for_many(topic, [int(h.timestamp() * 1000) for h in hours])
+    out: dict[datetime, dict[int, tuple[int, int]]] = {}
+    for start, end in pairwise(hours):
+        lo, hi = bounds[int(start.timestamp() * 1000)], bounds[int(end.timestamp() * 1000)]
+        ranges = {p: (lo[p], hi[p]) for p in lo}
+        if any(e > s for s, e in ranges.values()):
+            out[start] = ranges
+    return out
+
+
+def record_hours(
+    kafka: KafkaResource, topic: str, floor: datetime
+) -> tuple[datetime, datetime] | None:
+    """The hours of the oldest and the newest record still in Kafka (oldest not before
+    ``floor``), read from the first and last record of each partition; None if empty."""
+    from confluent_kafka import TopicPartition
+
+    consumer = kafka.offsets_consumer()
+    stamps: list[int] = []
+    try:
+        for p, (low, high) in kafka.watermarks(topic).items():
+            for offset in {low, high - 1} if high > low else set():
+                consumer.assign([TopicPartition(topic, p, offset)])
+                msg = consumer.poll(kafka.request_timeout_s)
+                if msg is not None and msg.error() is None:
+                    stamps.append(msg.timestamp()[1])
+    finally:
+        consumer.close()
+    if not stamps:
+        return None
+    oldest = _hour(datetime.fromtimestamp(min(stamps) / 1000, UTC))
+    newest = _hour(datetime.fromtimestamp(max(stamps) / 1000, UTC))
+    return max(oldest, floor), newest
+
+
+def find(
+    kafka: KafkaResource,
+    catalog: Catalog,
+    namespace: str,
+    spec: TopicSpec,
+    *,
+    now: datetime | None = None,
+    retention_horizon: timedelta = timedelta(hours=24),
+) -> Findings:
+    """Everything the gap, late-data and retention checks need, in one pass."""
+    now = now or datetime.now(UTC)
+    last_closed = now.replace(minute=0, second=0, microsecond=0)
+    findings = Findings(closed_until=last_closed)
+    span = record_hours(kafka, spec.topic, spec.partition_start)
+    if span is None:
+        return findings
+    # Hours after the newest record hold nothing (its hour's end is the last bound needed);
+    # records newer than the last closed hour wait until their hour closes.
+    in_kafka = hours_with_records(kafka, spec.topic, span[0], min(last_closed, span[1] + HOUR))
+    raw_pub = covered_hours(published(catalog, f"{namespace}.{spec.raw_table}"))
+    cur_pub = covered_hours(published(catalog, f"{namespace}.{spec.topic}_current"))
+    hourly_pub = covered_hours(published(catalog, f"{namespace}.{spec.topic}_hourly"))
+    findings.raw_gaps = sorted(h for h in in_kafka if h not in raw_pub)
+    findings.current_gaps = sorted(h for h in in_kafka if h not in cur_pub)
+
+    lateness = spec.allowed_lateness_hours
+    for hour in sorted(in_kafka):
+        deps = [hour + i * HOUR for i in range(lateness + 1)]
+        if any(d > last_closed - HOUR for d in deps):
+            continue  # its events may still arrive: wait until hour + lateness has closed
+        if any(d in in_kafka and d not in raw_pub for d in deps):
+            continue  # a raw hour it reads is not published yet
+        mine = hourly_pub.get(hour)
+        if mine is None:
+            findings.hourly_due[hour] = "never published"
+            continue
+        newer = [
+            raw_pub[d] for d in deps if d in raw_pub and raw_pub[d].committed_ms > mine.committed_ms
+        ]
+        if newer:
+            findings.hourly_due[hour] = f"raw hours republished by run {newer[0].run_id}"
+    findings.retention_risks = _retention_risks(
+        kafka, spec.topic, in_kafka, raw_pub, now, retention_horizon
+    )
+    return findings
+
+
+def late_event_hours(
+    catalog: Catalog, namespace: str, spec: TopicSpec, *, now: datetime | None = None
+) -> dict[datetime, str]:
+    """Event-time hours that received records after their hourly row was published, from
+    Kafka hours beyond the allowed lateness (so the partition mapping alone misses them)."""
+    now = now or datetime.now(UTC)
+    raw_pubs = published(catalog, f"{namespace}.{spec.raw_table}")
+    hourly = covered_hours(published(catalog, f"{namespace}.{spec.topic}_hourly"))
+    if not raw_pubs or not hourly:
+        return {}
+    oldest_hourly = min(p.committed_ms for p in hourly.values())
+    recent_runs = sorted({p.run_id for p in raw_pubs if p.committed_ms > oldest_hourly})
+    if not recent_runs:
+        return {}
+    table = catalog.load_table(f"{namespace}.{spec.raw_table}")
+    quoted = ", ".join(f"'{r}'" for r in recent_runs if "'" not in r)
+    rows = (
+        table.scan(
+            row_filter=f"ingest_run_id IN ({quoted}) AND is_tombstone == false",
+            selected_fields=(spec.event_time_field, "kafka_timestamp", "ingest_run_id"),
+        )
+        .to_arrow()
+        .to_pylist()
+    )
+    committed = {p.run_id: p.committed_ms for p in raw_pubs}
+    lateness = timedelta(hours=spec.allowed_lateness_hours)
+    due: dict[datetime, str] = {}
+    for row in rows:
+        event_time = row[spec.event_time_field]
+        if event_time is None:
+            continue
+        event_hour = _hour(event_time)
+        pub = hourly.get(event_hour)
+        if pub is None:
+            continue  # never published: the gap sensor handles it
+        if _hour(row["kafka_timestamp"]) <= event_hour + lateness:
+            continue  # inside the mapping: the gap sensor's staleness rule handles it
+        if committed[row["ingest_run_id"]] > pub.committed_ms:
+            due[event_hour] = f"late records ingested by run {row['ingest_run_id']}"
+    return due
+
+
+def _retention_risks(
+    kafka: KafkaResource,
+    topic: str,
+    in_kafka: dict[datetime, dict[int, tuple[int, int]]],
+    raw_pub: dict[datetime, Publish],
+    now: datetime,
+    horizon: timedelta,
+) -> list[dict[str, Any]]:
+    retention_ms = _retention_ms(kafka, topic)
+    if retention_ms is None or retention_ms < 0:
+        return []
+    out = []
+    for hour, ranges in sorted(in_kafka.items()):
+        if hour in raw_pub:
+            continue
+        leaves_at = hour + HOUR + timedelta(milliseconds=retention_ms)
+        if leaves_at - now <= horizon:
+            out.append(
+                {
+                    "topic": topic,
+                    "hour": hour.isoformat(),
+                    "leaves_kafka_at": leaves_at.isoformat(),
+                    "offsets": {str(p): [s, e] for p, (s, e) in ranges.items() if e > s},
+                }
+            )
+    return out
+
+
+def _retention_ms(kafka: KafkaResource, topic: str) -> int | None:
+    from confluent_kafka.admin import ConfigResource, ResourceType  # type: ignore[attr-defined]
+
+    admin = kafka.admin()
+    resource = ConfigResource(ResourceType.TOPIC, topic)
+    configs = admin.describe_configs([resource])[resource].result(timeout=kafka.request_timeout_s)
+    entry = configs.get("retention.ms")
+    return int(entry.value) if entry is not None and entry.value is not None else None
+
+
+def _hour(value: datetime) -> datetime:
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return value.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+
+
+def contiguous(hours: list[datetime], max_len: int) -> list[tuple[datetime, datetime]]:
+    """Group sorted hours into [first, last] runs of consecutive hours, at most max_len long."""
+    out: list[tuple[datetime, datetime]] = []
+    for hour in sorted(hours):
+        if out and hour - out[-1][1] == HOUR and (hour - out[-1][0]) / HOUR < max_len:
+            out[-1] = (out[-1][0], hour)
+        else:
+            out.append((hour, hour))
+    return out

@@ -1,0 +1,164 @@
+"""Sensors that turn detected gaps and late data into exactly the needed partition runs.
+
+Requests are deduplicated across ticks: every request has a key made of what it covers and
+the state of main it was computed from; the cursor remembers keys already requested, and a
+request whose range is still queued or running is not repeated. A rollback or a new publish
+changes main, so a gap that reappears after it is requested again. Offsets are never
+committed anywhere: the published snapshots are the only checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from datetime import datetime
+
+import dagster as dg
+
+from backfill_assets import detect
+from backfill_assets.assets import current_asset_key, hourly_asset_key, raw_asset_key
+from backfill_assets.resources import IcebergResource, KafkaResource
+from backfill_assets.settings import Settings
+from backfill_assets.spec import TopicSpec
+
+REQUEST_TAG = "backfill_assets/request"
+MAX_RANGE_HOURS = 168
+_CURSOR_KEYS = 500
+_ACTIVE = [
+    dg.DagsterRunStatus.QUEUED,
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+]
+
+
+def gap_sensor_name(spec: TopicSpec) -> str:
+    return f"{spec.topic}_offset_gaps"
+
+
+def late_sensor_name(spec: TopicSpec) -> str:
+    return f"{spec.topic}_late_data"
+
+
+def _default_status() -> dg.DefaultSensorStatus:
+    running = Settings.from_env().sensors_running
+    return dg.DefaultSensorStatus.RUNNING if running else dg.DefaultSensorStatus.STOPPED
+
+
+def build_gap_sensor(spec: TopicSpec) -> dg.SensorDefinition:
+    raw, current, hourly = raw_asset_key(spec), current_asset_key(spec), hourly_asset_key(spec)
+
+    @dg.sensor(
+        name=gap_sensor_name(spec),
+        description=(
+            f"Compares topic {spec.topic!r} with the offsets published on main and requests "
+            "runs for exactly the uncovered hours; warns before retention deletes them."
+        ),
+        asset_selection=[raw, current, hourly],
+        minimum_interval_seconds=120,
+        default_status=_default_status(),
+    )
+    def _gaps(
+        context: dg.SensorEvaluationContext, kafka: KafkaResource, iceberg: IcebergResource
+    ) -> dg.SensorResult | dg.SkipReason:
+        ns = iceberg.settings.catalog.namespace
+        cat = iceberg.catalog()
+        found = detect.find(kafka, cat, ns, spec)
+        state = _main_state(iceberg, spec.raw_table)
+        raw_and_current = set(found.raw_gaps)
+        only_current = set(found.current_gaps) - raw_and_current
+        wanted = [
+            ("raw", [raw, current], sorted(raw_and_current)),
+            ("current", [current], sorted(only_current)),
+            ("hourly", [hourly], sorted(found.hourly_due)),
+        ]
+        for risk in found.retention_risks:
+            context.log.warning(
+                f"retention risk: {risk['topic']} hour {risk['hour']} (offsets "
+                f"{risk['offsets']}) is not materialized and leaves Kafka at "
+                f"{risk['leaves_kafka_at']}"
+            )
+        return _requests(context, gap_sensor_name(spec), wanted, state, found.retention_risks)
+
+    return _gaps
+
+
+def build_late_data_sensor(spec: TopicSpec) -> dg.SensorDefinition:
+    hourly = hourly_asset_key(spec)
+
+    @dg.sensor(
+        name=late_sensor_name(spec),
+        description=(
+            f"Re-materializes event-time hours of {spec.topic!r} that received records after "
+            "they were published, beyond the allowed lateness."
+        ),
+        asset_selection=[hourly],
+        minimum_interval_seconds=120,
+        default_status=_default_status(),
+    )
+    def _late(
+        context: dg.SensorEvaluationContext, iceberg: IcebergResource
+    ) -> dg.SensorResult | dg.SkipReason:
+        due = detect.late_event_hours(iceberg.catalog(), iceberg.settings.catalog.namespace, spec)
+        state = _main_state(iceberg, spec.raw_table)
+        return _requests(context, late_sensor_name(spec), [("late", [hourly], sorted(due))], state)
+
+    return _late
+
+
+def _requests(
+    context: dg.SensorEvaluationContext,
+    sensor: str,
+    wanted: Iterable[tuple[str, list[dg.AssetKey], list[datetime]]],
+    state: str,
+    risks: list[dict[str, object]] | None = None,
+) -> dg.SensorResult | dg.SkipReason:
+    seen: list[str] = json.loads(context.cursor) if context.cursor else []
+    active = _active_requests(context.instance, sensor)
+    requests: list[dg.RunRequest] = []
+    for kind, keys, hours in wanted:
+        for first, last in detect.contiguous(hours, MAX_RANGE_HOURS):
+            span = f"{first:{detect.PARTITION_FMT}}...{last:{detect.PARTITION_FMT}}"
+            key = f"{kind}:{span}@{state}"
+            if key in seen or f"{kind}:{span}" in active:
+                continue
+            seen.append(key)
+            requests.append(
+                dg.RunRequest(
+                    run_key=key,
+                    asset_selection=keys,
+                    tags={
+                        "dagster/asset_partition_range_start": f"{first:{detect.PARTITION_FMT}}",
+                        "dagster/asset_partition_range_end": f"{last:{detect.PARTITION_FMT}}",
+                        REQUEST_TAG: f"{kind}:{span}",
+                    },
+                )
+            )
+    cursor = json.dumps(seen[-_CURSOR_KEYS:])
+    if requests:
+        return dg.SensorResult(run_requests=requests, cursor=cursor)
+    reason = "nothing uncovered, or every gap is already requested"
+    if risks:
+        reason += "; RETENTION RISK: " + "; ".join(
+            f"{r['topic']} {r['hour']} leaves Kafka at {r['leaves_kafka_at']}" for r in risks
+        )
+    context.update_cursor(cursor)
+    return dg.SkipReason(reason)
+
+
+def _active_requests(instance: dg.DagsterInstance, sensor: str) -> set[str]:
+    """Request tags of this sensor's runs that are queued or running."""
+    records = instance.get_run_records(
+        dg.RunsFilter(tags={"dagster/sensor_name": sensor}, statuses=_ACTIVE), limit=500
+    )
+    return {r.dagster_run.tags.get(REQUEST_TAG, "") for r in records}
+
+
+def _main_state(iceberg: IcebergResource, table: str) -> str:
+    """An identifier of main's current snapshot of ``table`` (or 'none')."""
+    ident = iceberg.identifier(table)
+    cat = iceberg.catalog()
+    if not cat.table_exists(ident):
+        return "none"
+    snap = cat.load_table(ident).metadata.current_snapshot_id
+    return str(snap) if snap is not None else "none"
