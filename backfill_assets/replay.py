@@ -172,6 +172,72 @@ def read_contract(spark: SparkSession, settings: Settings, contract: OffsetContr
     )
 
 
+def chunk_contract(contract: OffsetContract, max_records: int) -> list[OffsetContract]:
+    """Split a contract into consecutive pieces of at most ``max_records`` offsets, each
+    advancing every partition in proportion to what it has left."""
+    if max_records <= 0:
+        raise ReplayError("max_records must be positive")
+    pos = {p: s for p, (s, _) in contract.ranges.items()}
+    end = {p: e for p, (_, e) in contract.ranges.items()}
+    pieces = []
+    while any(pos[p] < end[p] for p in pos):
+        left = {p: end[p] - pos[p] for p in pos}
+        total = sum(left.values())
+        budget = min(max_records, total)
+        take = {p: (left[p] * budget) // total for p in pos}
+        # Hand out what integer division left over, one offset at a time.
+        spare = budget - sum(take.values())
+        for p in sorted(pos, key=lambda q: left[q] - take[q], reverse=True):
+            if spare == 0:
+                break
+            if take[p] < left[p]:
+                take[p] += 1
+                spare -= 1
+        pieces.append(
+            OffsetContract(
+                contract.topic,
+                contract.start,
+                contract.end,
+                {p: (pos[p], pos[p] + take[p]) for p in sorted(pos)},
+            )
+        )
+        pos = {p: pos[p] + take[p] for p in pos}
+    return pieces
+
+
+def read_throttled(
+    spark: SparkSession,
+    settings: Settings,
+    contract: OffsetContract,
+    max_records_per_s: int,
+    chunk_seconds: float = 5.0,
+) -> tuple[DataFrame, list[DataFrame]]:
+    """Read the contract chunk by chunk so the read rate stays at or under the cap.
+
+    Each chunk (``cap * chunk_seconds`` offsets) is read and cached, then the reader sleeps
+    until the elapsed time matches the records read so far at the cap. Returns the union of
+    the chunks and the cached pieces (to unpersist when done).
+    """
+    pieces = chunk_contract(contract, max(1, int(max_records_per_s * chunk_seconds)))
+    began = time.monotonic()
+    done = 0
+    cached: list[DataFrame] = []
+    for piece in pieces:
+        frame = read_contract(spark, settings, piece).persist()
+        frame.count()
+        cached.append(frame)
+        done += piece.records
+        pause = done / max_records_per_s - (time.monotonic() - began)
+        if pause > 0:
+            time.sleep(pause)
+    if not cached:
+        return read_contract(spark, settings, contract), []
+    union = cached[0]
+    for frame in cached[1:]:
+        union = union.unionByName(frame)
+    return union, cached
+
+
 def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, DataFrame]:
     """Split Kafka records into (table rows, quarantine rows), upcast to the latest schema.
 
@@ -294,7 +360,14 @@ def replay_to_branch(
     spark.sql(quarantine_ddl(qtable))
 
     contract = offset_contract(kafka, spec.topic, start, end)
-    raw = read_contract(spark, settings, contract).persist()
+    chunks: list[DataFrame] = []
+    if settings.replay_max_records_per_s:
+        source, chunks = read_throttled(
+            spark, settings, contract, settings.replay_max_records_per_s
+        )
+    else:
+        source = read_contract(spark, settings, contract)
+    raw = source.persist()
     try:
         stats = raw.agg(
             F.count("*").alias("n"),
@@ -334,6 +407,8 @@ def replay_to_branch(
         written = branch_write_stats(spark, branch)
     finally:
         raw.unpersist()
+        for chunk in chunks:
+            chunk.unpersist()
     rows.unpersist()
     quarantine.unpersist()
     return ReplayOutcome(

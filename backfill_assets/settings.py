@@ -120,6 +120,7 @@ class Settings:
     webserver_host: str
     webserver_port: int
     sensors_running: bool = True
+    replay_max_records_per_s: int = 0  # 0: no throttle
 
     @property
     def kafka_data_dir(self) -> Path:
@@ -201,10 +202,13 @@ class Settings:
             webserver_host=env.get("BACKFILL_WEBSERVER_HOST", "127.0.0.1"),
             webserver_port=_int(env, "BACKFILL_WEBSERVER_PORT", 3000),
             sensors_running=_switch(env, "BACKFILL_SENSORS", default=True),
+            replay_max_records_per_s=_int(
+                env, "BACKFILL_REPLAY_MAX_RECORDS_PER_S", 0, zero_ok=True
+            ),
         )
 
 
-def _int(env: Mapping[str, str], name: str, default: int) -> int:
+def _int(env: Mapping[str, str], name: str, default: int, zero_ok: bool = False) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -212,8 +216,9 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
         value = int(raw)
     except ValueError:
         raise SettingsError(f"{name}={raw!r} is not a whole number") from None
-    if value <= 0:
-        raise SettingsError(f"{name}={raw!r} must be a positive whole number")
+    if value < 0 or (value == 0 and not zero_ok):
+        kind = "zero or a positive" if zero_ok else "a positive"
+        raise SettingsError(f"{name}={raw!r} must be {kind} whole number")
     return value
 
 
