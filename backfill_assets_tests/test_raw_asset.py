@@ -232,3 +232,21 @@ def test_any_failure_is_audited(world: World, stack_settings: Settings) -> None:
     )
     assert [r["event"] for r in rows] == ["run_failed"]
     assert missing.topic in rows[0]["detail"] and "does not exist" in rows[0]["detail"]
+
+
+def test_throttled_replay_is_identical_and_slower(
+    world: World, spark_session: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if spark_session.catalog.tableExists(world.table) is False:
+        assert _backfill(world).success
+    before = _main_checksum(spark_session, world)
+    cap = 300
+    monkeypatch.setenv("BACKFILL_REPLAY_MAX_RECORDS_PER_S", str(cap))
+    result = _backfill(world)
+    assert result.success
+    meta = result.get_asset_materialization_events()[0].materialization.metadata
+    records = meta["records_read"].value
+    assert isinstance(records, int) and records > 0
+    duration = meta["duration_s"].value
+    assert isinstance(duration, float) and duration >= records / cap
+    assert _main_checksum(spark_session, world) == before
