@@ -250,7 +250,7 @@ class LocalBroker:
     def _format(self, java: str, classpath: str) -> None:
         if (self.log_dirs / "meta.properties").exists():
             return
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        cluster_id = new_cluster_id()
         proc = subprocess.run(
             [
                 java,
@@ -297,6 +297,18 @@ class LocalBroker:
         except FileNotFoundError:
             return "(no log written)"
         return "\n".join(text[-lines:])
+
+
+def new_cluster_id() -> str:
+    """A random KRaft cluster id: 16 bytes, URL-safe base64 without padding.
+
+    Like Kafka's own ``Uuid.randomUuid()``, ids starting with '-' are drawn again: the storage
+    tool's argument parser would read such an id as an option (1 in 64 ids).
+    """
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
 
 
 def _java() -> str:

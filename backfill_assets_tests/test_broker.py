@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from backfill_assets.broker import LocalBroker
+from backfill_assets.broker import LocalBroker, new_cluster_id
 from backfill_assets.errors import BrokerError
 from backfill_assets.settings import Settings
 
@@ -67,3 +67,9 @@ def test_missing_jars_say_which_command_to_run(stack_settings: Settings, tmp_pat
 def test_stop_without_a_broker_is_harmless(tmp_path: Path) -> None:
     settings = Settings.from_env({"BACKFILL_HOME": str(tmp_path)})
     assert LocalBroker(settings).stop() is False
+
+
+def test_cluster_ids_never_look_like_options() -> None:
+    ids = [new_cluster_id() for _ in range(2000)]
+    assert not any(i.startswith("-") for i in ids)
+    assert all(len(i) == 22 for i in ids) and len(set(ids)) == len(ids)
