@@ -105,6 +105,13 @@ def dagster_services(stack_settings: Settings, stack_env: dict[str, str]) -> Ite
     home = Path(stack_env["BACKFILL_HOME"]) / "dagster-home"
     home.mkdir(parents=True, exist_ok=True)
     shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
+    # Create the SQLite storage once, before the services: the webserver, the daemon and their
+    # code servers all open it at start-up, and concurrent first-time creation can stamp
+    # alembic_version twice ("more than one head present"), which fails the code location.
+    import dagster as dg
+
+    with dg.DagsterInstance.from_config(str(home)):
+        pass
     port = _free_port()
     env = {**os.environ, **stack_env, "DAGSTER_HOME": str(home)}
     bin_dir = Path(sys.executable).parent
