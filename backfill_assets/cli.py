@@ -141,6 +141,55 @@ def _cmd_materialize(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _cmd_archive(args: argparse.Namespace, settings: Settings) -> int:
+    """Copy new records of a topic to the archive now (``--status``: show what is archived)."""
+    from backfill_assets.archive import Archive
+    from backfill_assets.archiver import run_archiver
+    from backfill_assets.definitions import SPECS
+    from backfill_assets.resources import IcebergResource, KafkaResource
+
+    spec = next((s for s in SPECS if s.topic == args.topic), None)
+    if spec is None:
+        raise BackfillError(
+            f"unknown topic {args.topic!r}; topics.yaml defines: "
+            + ", ".join(s.topic for s in SPECS)
+        )
+    kafka = KafkaResource()
+    if args.status:
+        store = Archive(settings)
+        marks = kafka.watermarks(spec.topic)
+        status: dict[str, dict[str, list[Any]]] = {
+            str(p): {
+                "archived": [list(c) for c in store.coverage(spec.topic, p)],
+                "kafka": list(marks[p]),
+            }
+            for p in sorted(marks)
+        }
+        if args.json:
+            print(json.dumps({"archive_uri": settings.archive_uri, "partitions": status}))
+        else:
+            print(f"archive {settings.archive_uri} of topic {spec.topic!r}")
+            for p, st in status.items():
+                cov = ", ".join(f"[{a}, {b})" for a, b in st["archived"]) or "nothing"
+                low, high = st["kafka"]
+                print(f"  p{p}: archived {cov}; Kafka holds [{low}, {high})")
+        return 0
+    runs, summary = run_archiver(kafka, IcebergResource(), spec, launched_by="cli")
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(
+        f"archived {summary['records']:,} records of {spec.topic!r} in {summary['files']} "
+        f"files to {summary['archive_uri']}"
+    )
+    for r in runs:
+        line = f"  p{r.partition}: [{r.start}, {r.end}) {r.records:,} records"
+        if r.lost is not None:
+            line += f"; LOST before archiving: [{r.lost[0]}, {r.lost[1]})"
+        print(line)
+    return 0
+
+
 def _topic_range(args: argparse.Namespace) -> tuple[TopicSpec, datetime, datetime]:
     from backfill_assets.definitions import SPECS
 
@@ -354,7 +403,11 @@ def _cmd_gaps(args: argparse.Namespace, settings: Settings) -> int:
         risks = found.retention_risks
         print(f"retention risks (within {args.horizon_hours} h): {len(risks) or 'none'}")
         for r in risks:
-            print(f"  {r['hour']} leaves Kafka at {r['leaves_kafka_at']} offsets {r['offsets']}")
+            archived = "archived" if r["archived"] else "NOT archived"
+            print(
+                f"  {r['hour']} leaves Kafka at {r['leaves_kafka_at']} offsets {r['offsets']} "
+                f"({archived})"
+            )
     empty = not (found.raw_gaps or found.current_gaps or found.hourly_due or late)
     return 0 if empty else 1
 
@@ -475,6 +528,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--table", help="only this table (default: every table it published to)")
     p.add_argument("--force", action="store_true", help="also discard later publishes")
     p.set_defaults(func=_cmd_rollback)
+
+    p = sub.add_parser("archive", help="copy new records of a topic to the archive now")
+    p.add_argument("--topic", default="orders")
+    p.add_argument("--status", action="store_true", help="show what is archived; copy nothing")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_archive)
 
     p = sub.add_parser(
         "materialize", help="materialize a Kafka-time range of a topic's tables in-process"

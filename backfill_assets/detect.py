@@ -233,6 +233,9 @@ def _retention_risks(
     retention_ms = _retention_ms(kafka, topic)
     if retention_ms is None or retention_ms < 0:
         return []
+    from backfill_assets.archive import Archive
+
+    store = Archive(kafka.settings)
     out = []
     for hour, ranges in sorted(in_kafka.items()):
         if hour in raw_pub:
@@ -245,6 +248,8 @@ def _retention_risks(
                     "hour": hour.isoformat(),
                     "leaves_kafka_at": leaves_at.isoformat(),
                     "offsets": {str(p): [s, e] for p, (s, e) in ranges.items() if e > s},
+                    # Archived hours can still be backfilled after Kafka deletes them.
+                    "archived": all(store.covers(topic, p, s, e) for p, (s, e) in ranges.items()),
                 }
             )
     return out

@@ -15,6 +15,7 @@ from typing import Any
 import dagster as dg
 from confluent_kafka import Consumer, TopicPartition
 
+from backfill_assets.archive import Archive
 from backfill_assets.assets import BACKFILL_POLICY, hourly_asset_key, raw_asset_key
 from backfill_assets.replay import OffsetContract, offset_contract
 from backfill_assets.resources import KafkaResource
@@ -57,6 +58,9 @@ class Plan:
     expected_rows_at_most: int
     all_in_kafka: bool
     missing_offsets: dict[str, list[int]]
+    records_from_archive: int
+    records_from_kafka: int
+    archive_offsets: dict[str, list[int]]
     drain_rate_records_per_s: float
     run_overhead_s: float
     rate_source: str
@@ -72,6 +76,23 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
+    def _sources(self) -> str:
+        total = max(self.records, 1)
+        text = (
+            f"Kafka {self.records_from_kafka:,} ({100 * self.records_from_kafka / total:.0f}%), "
+            f"archive {self.records_from_archive:,} "
+            f"({100 * self.records_from_archive / total:.0f}%)"
+        )
+        if self.archive_offsets:
+            text += " from " + ", ".join(
+                f"p{p}:[{s},{e})" for p, (s, e) in sorted(self.archive_offsets.items())
+            )
+        if self.missing_offsets:
+            text += "; NEITHER holds " + ", ".join(
+                f"p{p}:[{s},{e})" for p, (s, e) in sorted(self.missing_offsets.items())
+            )
+        return text
+
     def human(self) -> str:
         lines = [
             f"Backfill plan: topic {self.topic!r} -> {', '.join(self.target_tables)}",
@@ -86,8 +107,7 @@ class Plan:
                 else ""
             )
             + f"; rows <= {self.expected_rows_at_most:,}",
-            "  in Kafka     "
-            + ("all of it" if self.all_in_kafka else "NO: " + json.dumps(self.missing_offsets)),
+            f"  sources      {self._sources()}",
             f"  drain rate   {self.drain_rate_records_per_s:,.0f} records/s + "
             f"{self.run_overhead_s:.0f}s per run ({self.rate_source})",
             f"  runs         {self.runs} (<= {BACKFILL_POLICY.max_partitions_per_run} partitions "
@@ -118,11 +138,8 @@ def make_plan(
     window: timedelta | None = None,
 ) -> Plan:
     partitions = int((end - start) / timedelta(hours=1))
-    contract = offset_contract(kafka, spec.topic, start, end)
-    low = {p: lo for p, (lo, _) in kafka.watermarks(spec.topic).items()}
-    missing = {
-        str(p): [s, min(e, low[p])] for p, (s, e) in contract.ranges.items() if s < low.get(p, 0)
-    }
+    contract = offset_contract(kafka, spec.topic, start, end, archive=Archive(kafka.settings))
+    missing = {str(p): [s, e] for p, (s, e) in contract.missing.items()}
     sample = _sample(kafka, contract)
     history = _history(instance, raw_asset_key(spec)) if instance is not None else {}
     per_run_history = list(history.values())[:20]
@@ -164,8 +181,11 @@ def make_plan(
         schema_versions_seen=[v for v in sample["versions"] if v in spec.upcasters],
         unknown_versions_seen=[v for v in sample["versions"] if v not in spec.upcasters],
         expected_rows_at_most=contract.records,
-        all_in_kafka=not missing,
+        all_in_kafka=not missing and not contract.archive_ranges,
         missing_offsets=missing,
+        records_from_archive=contract.archived_records,
+        records_from_kafka=contract.records - contract.archived_records,
+        archive_offsets={str(p): [s, e] for p, (s, e) in contract.archive_ranges.items()},
         drain_rate_records_per_s=rate,
         run_overhead_s=overhead,
         rate_source=source,
@@ -232,15 +252,24 @@ def _scorecard(plan: Plan, spec: TopicSpec, end: datetime) -> list[Score]:
             "publish is written to the audit table",
         )
     )
-    if plan.all_in_kafka:
+    if plan.missing_offsets:
+        scores.append(
+            Score(
+                "closure",
+                "red",
+                "offsets deleted by retention and not archived (the run would refuse): "
+                + ", ".join(f"p{p}:[{s},{e})" for p, (s, e) in plan.missing_offsets.items()),
+            )
+        )
+    elif plan.all_in_kafka:
         scores.append(Score("closure", "green", "every offset of the range is still in Kafka"))
     else:
         scores.append(
             Score(
                 "closure",
-                "red",
-                "offsets already deleted by retention: "
-                + ", ".join(f"p{p}:[{s},{e})" for p, (s, e) in plan.missing_offsets.items()),
+                "green",
+                f"{plan.records_from_archive:,} offsets below Kafka's log start come from the "
+                f"archive, {plan.records_from_kafka:,} from Kafka",
             )
         )
     return scores
@@ -249,13 +278,12 @@ def _scorecard(plan: Plan, spec: TopicSpec, end: datetime) -> list[Score]:
 def _sample(kafka: KafkaResource, contract: OffsetContract) -> dict[str, Any]:
     """Read up to SAMPLE_RECORDS from the start of the range (no group join, no commit)."""
     consumer: Consumer = kafka.offsets_consumer()
-    assigned = [
-        TopicPartition(contract.topic, p, s) for p, (s, e) in contract.ranges.items() if e > s
-    ]
+    in_kafka = contract.kafka_ranges
+    assigned = [TopicPartition(contract.topic, p, s) for p, (s, e) in in_kafka.items() if e > s]
     if not assigned:
         consumer.close()
-        return {"rate": 0.0, "avg_bytes": 0.0, "count": 0, "versions": []}
-    ends = {p: e for p, (_, e) in contract.ranges.items()}
+        return _sample_archive(kafka, contract)
+    ends = {p: e for p, (_, e) in in_kafka.items()}
     consumer.assign(assigned)
     count, size, versions = 0, 0, set()
     began = time.monotonic()
@@ -277,6 +305,30 @@ def _sample(kafka: KafkaResource, contract: OffsetContract) -> dict[str, Any]:
     elapsed = max(time.monotonic() - began, 1e-3)
     return {
         "rate": count / elapsed,
+        "avg_bytes": size / count if count else 0.0,
+        "count": count,
+        "versions": sorted(v for v in versions if v is not None),
+    }
+
+
+def _sample_archive(kafka: KafkaResource, contract: OffsetContract) -> dict[str, Any]:
+    """Sample the archived part of a range (when none of it is in Kafka any more)."""
+    store = Archive(kafka.settings)
+    began = time.monotonic()
+    count, size, versions = 0, 0, set()
+    for p, (s, e) in sorted(contract.archive_ranges.items()):
+        if count >= SAMPLE_RECORDS or contract.missing:
+            break
+        table = store.read_records(contract.topic, p, s, min(e, s + SAMPLE_RECORDS - count))
+        for key, value in zip(
+            table.column("key").to_pylist(), table.column("value").to_pylist(), strict=True
+        ):
+            count += 1
+            size += len(value or b"") + len(key or b"")
+            versions.add(_version(value or b""))
+    elapsed = max(time.monotonic() - began, 1e-3)
+    return {
+        "rate": count / elapsed if count else 0.0,
         "avg_bytes": size / count if count else 0.0,
         "count": count,
         "versions": sorted(v for v in versions if v is not None),

@@ -76,7 +76,12 @@ def build_gap_sensor(spec: TopicSpec) -> dg.SensorDefinition:
             context.log.warning(
                 f"retention risk: {risk['topic']} hour {risk['hour']} (offsets "
                 f"{risk['offsets']}) is not materialized and leaves Kafka at "
-                f"{risk['leaves_kafka_at']}"
+                f"{risk['leaves_kafka_at']}; "
+                + (
+                    "it is archived, so it can still be backfilled later"
+                    if risk["archived"]
+                    else f"it is NOT archived: run `backfill-assets archive --topic {spec.topic}`"
+                )
             )
         return _requests(context, gap_sensor_name(spec), wanted, state, found.retention_risks)
 
@@ -140,7 +145,9 @@ def _requests(
     reason = "nothing uncovered, or every gap is already requested"
     if risks:
         reason += "; RETENTION RISK: " + "; ".join(
-            f"{r['topic']} {r['hour']} leaves Kafka at {r['leaves_kafka_at']}" for r in risks
+            f"{r['topic']} {r['hour']} leaves Kafka at {r['leaves_kafka_at']} "
+            + ("(archived)" if r["archived"] else "(NOT archived)")
+            for r in risks
         )
     context.update_cursor(cursor)
     return dg.SkipReason(reason)

@@ -1,4 +1,5 @@
-"""Retention-risk warnings name topic, hour and offsets of unmaterialized data about to leave."""
+"""Retention-risk warnings name topic, hour and offsets of unmaterialized data about to leave,
+and say whether it is archived."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 
 from backfill_assets import catalog, detect
+from backfill_assets.archiver import run_archiver
 from backfill_assets.definitions import SPECS
 from backfill_assets.generator import GeneratorConfig, generate
-from backfill_assets.resources import KafkaResource
+from backfill_assets.resources import IcebergResource, KafkaResource
 from backfill_assets.settings import Settings
 
 START = datetime(2026, 9, 1, tzinfo=UTC)
@@ -67,6 +69,11 @@ def test_hours_about_to_leave_retention_are_reported(stack_settings: Settings) -
         for p in range(6)
         if truth.hour_offsets[p][START.isoformat()][1] > truth.hour_offsets[p][START.isoformat()][0]
     }
+    assert [r["archived"] for r in risks] == [False] * 3
+    # Once archived, the same hours are still at risk of leaving Kafka, but say they are safe.
+    run_archiver(KafkaResource(), IcebergResource(), spec)
+    archived = detect.find(KafkaResource(), cat, ns, spec, now=now).retention_risks
+    assert [(r["hour"], r["archived"]) for r in archived] == [(r["hour"], True) for r in risks]
     near = detect.find(
         KafkaResource(), cat, ns, spec, now=now, retention_horizon=timedelta(minutes=150)
     ).retention_risks

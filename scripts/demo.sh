@@ -24,6 +24,9 @@ if [ ! -f .stack/demo/first-backfill.done ]; then
   $cli materialize --topic orders --start "$start" --end "$end"
   touch .stack/demo/first-backfill.done
 fi
+# Archive what Kafka holds (only records not archived yet; a no-op when nothing is new), so
+# the history stays replayable after Kafka's retention deletes it.
+$cli archive --topic orders
 
 echo "Dagster UI: http://127.0.0.1:${BACKFILL_WEBSERVER_PORT:-3000}  (Ctrl-C stops it; the broker keeps running: '$cli stack down' stops it)"
 exec .venv/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p "${BACKFILL_WEBSERVER_PORT:-3000}"

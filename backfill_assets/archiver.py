@@ -1,0 +1,135 @@
+"""The archiver: a Dagster asset per topic that copies new Kafka records to the archive, and
+an hourly schedule that runs it.
+
+Each run archives every partition from where its archive ends up to the high watermark seen
+when the run starts (see :mod:`backfill_assets.archive` for the layout and why each offset is
+archived exactly once), then appends one ``archive`` row to the audit table. Offsets that
+Kafka deleted before they were archived are reported, never hidden.
+
+(No ``from __future__ import annotations`` here: Dagster inspects the asset function's
+``context`` annotation at definition time.)
+"""
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import dagster as dg
+
+from backfill_assets import audit
+from backfill_assets.archive import Archive, PartitionRun
+from backfill_assets.resources import IcebergResource, KafkaResource
+from backfill_assets.settings import Settings
+from backfill_assets.spec import TopicSpec
+
+
+def archive_asset_key(spec: TopicSpec) -> dg.AssetKey:
+    return dg.AssetKey(["archive", spec.topic])
+
+
+def archive_schedule_name(spec: TopicSpec) -> str:
+    return f"{spec.topic}_archive_hourly"
+
+
+def run_archiver(
+    kafka: KafkaResource,
+    iceberg: IcebergResource,
+    spec: TopicSpec,
+    *,
+    run_id: str | None = None,
+    launched_by: str | None = None,
+) -> tuple[list[PartitionRun], dict[str, Any]]:
+    """Archive ``spec.topic`` now; returns per-partition runs and a JSON-able summary."""
+    settings = kafka.settings
+    store = Archive(settings)
+    started = datetime.now(UTC)
+    runs = store.archive_topic(kafka, spec.topic)
+    summary: dict[str, Any] = {
+        "archive_uri": settings.archive_uri,
+        "records": sum(r.records for r in runs),
+        "bytes": sum(r.bytes for r in runs),
+        "files": sum(len(r.files) for r in runs),
+        "partitions": {str(r.partition): r.to_json() for r in runs},
+        "lost_before_archiving": {
+            str(r.partition): list(r.lost) for r in runs if r.lost is not None
+        },
+    }
+    audit.append(
+        iceberg.catalog(),
+        settings.catalog.namespace,
+        audit.AuditRecord(
+            event="archive",
+            table_name=f"archive/{spec.topic}",
+            outcome="lost_offsets" if summary["lost_before_archiving"] else "ok",
+            run_id=run_id,
+            launched_by=launched_by,
+            offsets=json.dumps(
+                {str(r.partition): [r.start, r.end] for r in runs}, separators=(",", ":")
+            ),
+            started_at=started,
+            records_read=summary["records"],
+            rows_written=summary["records"],
+            detail=json.dumps(
+                {"files": summary["files"], "lost": summary["lost_before_archiving"]}
+            ),
+        ),
+    )
+    return runs, summary
+
+
+def build_archive_asset(spec: TopicSpec) -> dg.AssetsDefinition:
+    @dg.asset(
+        key=archive_asset_key(spec),
+        description=(
+            f"Kafka topic {spec.topic!r} copied to the archive (offset-addressed Parquet "
+            "files), so backfills can replay history older than Kafka's retention."
+        ),
+        group_name="archive",
+        kinds={"kafka", "parquet"},
+        pool="archive",
+    )
+    def _archive(
+        context: dg.AssetExecutionContext, kafka: KafkaResource, iceberg: IcebergResource
+    ) -> dg.MaterializeResult:  # type: ignore[type-arg]
+        runs, summary = run_archiver(
+            kafka,
+            iceberg,
+            spec,
+            run_id=context.run.run_id,
+            launched_by=audit.launched_by(dict(context.run.tags)),
+        )
+        for r in runs:
+            if r.lost is not None:
+                context.log.warning(
+                    f"{spec.topic} partition {r.partition}: offsets [{r.lost[0]}, {r.lost[1]}) "
+                    "left Kafka before they were archived; they cannot be backfilled"
+                )
+        context.log.info(
+            f"archived {summary['records']} records in {summary['files']} files to "
+            f"{summary['archive_uri']}"
+        )
+        return dg.MaterializeResult(
+            metadata={
+                "records": summary["records"],
+                "bytes": summary["bytes"],
+                "files": summary["files"],
+                "partitions": dg.MetadataValue.json(summary["partitions"]),
+                "lost_before_archiving": dg.MetadataValue.json(summary["lost_before_archiving"]),
+                "archive_uri": summary["archive_uri"],
+            }
+        )
+
+    return _archive
+
+
+def build_archive_schedule(spec: TopicSpec) -> dg.ScheduleDefinition:
+    running = Settings.from_env().sensors_running
+    return dg.ScheduleDefinition(
+        name=archive_schedule_name(spec),
+        target=[archive_asset_key(spec)],
+        cron_schedule="5 * * * *",
+        default_status=(
+            dg.DefaultScheduleStatus.RUNNING if running else dg.DefaultScheduleStatus.STOPPED
+        ),
+        description=f"Archive new records of {spec.topic!r} every hour.",
+    )
