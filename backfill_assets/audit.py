@@ -22,7 +22,14 @@ from pyiceberg.exceptions import CommitFailedException
 from backfill_assets.errors import BackfillError
 
 AUDIT_TABLE = "backfill_audit"
-EVENTS = ("publish", "check_failed", "publish_refused", "run_failed", "rollback")
+EVENTS = (
+    "publish",
+    "check_failed",
+    "publish_refused",
+    "run_failed",
+    "rollback",
+    "archive",
+)
 
 _TS = pa.timestamp("us", tz="UTC")
 SCHEMA = pa.schema(
@@ -138,3 +145,75 @@ def checks_json(results: dict[str, bool]) -> str:
     return json.dumps(
         {name: "passed" if ok else "failed" for name, ok in results.items()}, sort_keys=True
     )
+
+
+def record_unaudited_publishes(
+    catalog: Catalog, namespace: str, table_name: str, *, since: int | None, recorded_by: str
+) -> list[str]:
+    """Append a ``publish`` row for every publish in main's history up to snapshot ``since``
+    that has none; return the run ids recorded.
+
+    A run killed between its fast-forward and its audit row (kill -9, a lost node) published
+    with no row, so ``rollback --run`` could not find it. The next run to publish on the table
+    calls this with its own branch's base snapshot: publishes that old finished long before
+    (a live run writes its row right after its fast-forward), so a row still missing means the
+    run died. Main's snapshot summaries carry everything the row needs.
+    """
+    from backfill_assets.wap import SUMMARY_PREFIX
+
+    ident = table_name.split(".", 1)[1] if table_name.count(".") >= 2 else table_name
+    table = catalog.load_table(ident)
+    chain = []
+    snap = table.metadata.snapshot_by_id(since) if since is not None else None
+    while snap is not None:
+        chain.append(snap)
+        parent = snap.parent_snapshot_id
+        snap = table.metadata.snapshot_by_id(parent) if parent is not None else None
+    rows = query(catalog, namespace, table_name=table_name)
+    audited = {r["snapshot_after"] for r in rows if r["snapshot_after"] is not None}
+    recorded = []
+    for i, snap in enumerate(chain):
+        props = snap.summary if snap.summary is not None else {}
+        if props.get(SUMMARY_PREFIX + "published") != "true" or snap.snapshot_id in audited:
+            continue
+        run_id = props.get(SUMMARY_PREFIX + "run-id")
+        # main before the run: the first ancestor not committed by the same run.
+        before = next(
+            (s.snapshot_id for s in chain[i + 1 :] if _summary_run_id(s, SUMMARY_PREFIX) != run_id),
+            None,
+        )
+        window = (props.get(SUMMARY_PREFIX + "window") or "").split("/")
+        start, end = (
+            (datetime.fromisoformat(window[0]), datetime.fromisoformat(window[1]))
+            if len(window) == 2
+            else (None, None)
+        )
+        append(
+            catalog,
+            namespace,
+            AuditRecord(
+                event="publish",
+                outcome="succeeded",
+                table_name=table_name,
+                run_id=run_id,
+                window_start=start,
+                window_end=end,
+                offsets=props.get(SUMMARY_PREFIX + "offsets"),
+                snapshot_before=before,
+                snapshot_after=snap.snapshot_id,
+                checks=props.get(SUMMARY_PREFIX + "checks"),
+                finished_at=datetime.fromtimestamp(snap.timestamp_ms / 1000, UTC),
+                detail=(
+                    f"recorded late by run {recorded_by} from main's history: the publishing "
+                    "run ended between its fast-forward and its audit row"
+                ),
+            ),
+        )
+        recorded.append(run_id or "?")
+    return recorded
+
+
+def _summary_run_id(snapshot: Any, prefix: str) -> str | None:
+    props = snapshot.summary if snapshot.summary is not None else {}
+    value = props.get(prefix + "run-id")
+    return str(value) if value is not None else None

@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from confluent_kafka.admin import AdminClient
 
 from backfill_assets import jars
 from backfill_assets.errors import BrokerError, JarResolutionError
-from backfill_assets.settings import REPO_ROOT, Settings
+from backfill_assets.settings import REPO_ROOT, Settings, jaas_quote
 
 _LOG4J_CONFIG = REPO_ROOT / "infra" / "kafka" / "log4j2.properties"
 _MAIN_CLASS = "kafka.Kafka"
@@ -174,23 +175,37 @@ class LocalBroker:
 
         The string names the Kafka release line the broker runs, e.g. ``4.1-IV1``.
         """
-        proc = subprocess.run(
-            [
-                _java(),
-                f"-Dlog4j2.configurationFile={_LOG4J_CONFIG}",
-                "-Dlog4j2.level=ERROR",
-                "-cp",
-                self._classpath(),
-                "org.apache.kafka.tools.FeatureCommand",
-                "--bootstrap-server",
-                self.bootstrap,
-                "describe",
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=60,
-        )
+        # The Java client settings (SASL included) go in a private file removed right after.
+        client = {
+            k.removeprefix("kafka."): v
+            for k, v in self.settings.kafka.spark_options().items()
+            if k != "kafka.bootstrap.servers"
+        }
+        fd, command_config = tempfile.mkstemp(dir=self.dir, suffix=".properties")  # mode 0600
+        try:
+            with os.fdopen(fd, "w") as out:
+                out.write("".join(f"{k}={_properties_escape(v)}\n" for k, v in client.items()))
+            proc = subprocess.run(
+                [
+                    _java(),
+                    f"-Dlog4j2.configurationFile={_LOG4J_CONFIG}",
+                    "-Dlog4j2.level=ERROR",
+                    "-cp",
+                    self._classpath(),
+                    "org.apache.kafka.tools.FeatureCommand",
+                    "--bootstrap-server",
+                    self.bootstrap,
+                    "--command-config",
+                    command_config,
+                    "describe",
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=60,
+            )
+        finally:
+            Path(command_config).unlink(missing_ok=True)
         pattern = r"Feature: metadata\.version\s.*FinalizedVersionLevel: (\S+)"
         match = re.search(pattern, proc.stdout)
         if proc.returncode != 0 or match is None:
@@ -200,7 +215,8 @@ class LocalBroker:
         return match.group(1)
 
     def _cluster_id(self, timeout_s: float) -> str:
-        admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
+        conf = {**self.settings.kafka.client_config(), "bootstrap.servers": self.bootstrap}
+        admin = AdminClient({**conf, "log_level": 0})
         try:
             meta = admin.list_topics(timeout=timeout_s)
         except Exception as exc:  # KafkaException: not reachable yet
@@ -244,8 +260,47 @@ class LocalBroker:
             "log.retention.check.interval.ms": "10000",
             "auto.create.topics.enable": "false",
         }
-        text = "".join(f"{k}={v}\n" for k, v in lines.items())
+        lines.update(self._sasl_config())
+        text = "".join(f"{k}={_properties_escape(v)}\n" for k, v in lines.items())
+        self.config_path.touch(mode=0o600)
+        self.config_path.chmod(0o600)  # it may hold the SASL user's password
         self.config_path.write_text(text)
+
+    def _sasl_config(self) -> dict[str, str]:
+        """With ``SASL_PLAINTEXT`` + ``PLAIN`` settings, the client listener authenticates the
+        settings' user (the controller listener stays PLAINTEXT on loopback); else nothing."""
+        kafka = self.settings.kafka
+        if kafka.security_protocol == "PLAINTEXT":
+            return {}
+        user, password = kafka.sasl_username, kafka.sasl_password
+        if (
+            kafka.security_protocol != "SASL_PLAINTEXT"
+            or kafka.sasl_mechanism != "PLAIN"
+            or user is None
+            or password is None
+            or not re.fullmatch(r"[A-Za-z0-9._-]+", user)
+        ):
+            raise BrokerError(
+                "the local broker supports BACKFILL_KAFKA_SECURITY_PROTOCOL=PLAINTEXT, or "
+                "SASL_PLAINTEXT with BACKFILL_KAFKA_SASL_MECHANISM=PLAIN and a "
+                "BACKFILL_KAFKA_SASL_USERNAME (letters, digits, . _ -) and _PASSWORD; got "
+                f"{kafka.security_protocol}/{kafka.sasl_mechanism}"
+            )
+        port, cport = kafka.local_port, kafka.local_controller_port
+        jaas = (
+            "org.apache.kafka.common.security.plain.PlainLoginModule required "
+            f"username={jaas_quote(user)} password={jaas_quote(password)} "
+            f"user_{user}={jaas_quote(password)};"
+        )
+        return {
+            "listeners": f"SASL_PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{cport}",
+            "advertised.listeners": f"SASL_PLAINTEXT://127.0.0.1:{port}",
+            "inter.broker.listener.name": "SASL_PLAINTEXT",
+            "listener.security.protocol.map": "SASL_PLAINTEXT:SASL_PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "sasl.enabled.mechanisms": "PLAIN",
+            "sasl.mechanism.inter.broker.protocol": "PLAIN",
+            "listener.name.sasl_plaintext.plain.sasl.jaas.config": jaas,
+        }
 
     def _format(self, java: str, classpath: str) -> None:
         if (self.log_dirs / "meta.properties").exists():
@@ -299,6 +354,11 @@ class LocalBroker:
         return "\n".join(text[-lines:])
 
 
+def _properties_escape(value: str) -> str:
+    """A value as Java's Properties.load reads it back (backslash is its escape character)."""
+    return value.replace("\\", "\\\\").replace("\n", "\\n")
+
+
 def new_cluster_id() -> str:
     """A random KRaft cluster id: 16 bytes, URL-safe base64 without padding.
 
@@ -338,6 +398,9 @@ def _alive(pid: int) -> bool:
 
 def _require_free_port(port: int) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As Kafka binds (SO_REUSEADDR): connections of a just-stopped broker lingering in
+        # TIME_WAIT do not block a restart on the same port; a listening process still does.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:

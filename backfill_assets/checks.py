@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets.replay import ReplayOutcome, checksum_expr, window_filter
+from backfill_assets.replay import ReplayOutcome, cache, checksum_expr, window_filter
 from backfill_assets.spec import ColumnSpec, TopicSpec
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ class CheckOutcome:
 def run_checks(spark: SparkSession, spec: TopicSpec, outcome: ReplayOutcome) -> list[CheckOutcome]:
     """All blocking checks on ``table``'s run branch; none of them writes anything."""
     branch = spark.table(outcome.branch.ident).where(window_filter(outcome.contract))
-    branch = branch.persist()
+    branch = cache(branch)
     try:
         return [
             _count_reconciliation(branch, outcome),

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from backfill_assets.archive import Archive
 from backfill_assets.errors import BackfillError
 from backfill_assets.spec import TopicSpec
 from backfill_assets.wap import SUMMARY_PREFIX, Branch, open_branch
@@ -53,8 +54,43 @@ KAFKA_COLUMNS = (
 )
 
 
+# Closes the array a record is parsed in (see :func:`parse`); no real payload ends with it.
+_END = "backfill-assets:end-of-record"
+# Every timestamp column must fall in [start, end) UTC: a year 1234 or 33658 is a bad value,
+# and pandas (the contract check) cannot hold timestamps beyond 1677..2262.
+TIMESTAMP_RANGE = ("1900-01-01 00:00:00", "2200-01-01 00:00:00")
+# How parse disposes of each kind of input, in the order the rules are tried (first match wins).
+QUARANTINE_RULES = (
+    ("record_too_large:<bytes>", "key + value longer than the topic's max_record_bytes"),
+    ("missing_or_invalid:<key field>", "tombstone without a key, or with a non-UTF-8 key"),
+    ("(table row)", "any other tombstone (NULL value): is_tombstone, payload columns NULL"),
+    ("empty_value", "a zero-length value (not a tombstone: Kafka deletes only on NULL)"),
+    ("invalid_utf8", "a value that is not UTF-8 text"),
+    (
+        "invalid_json",
+        "not exactly one JSON value: cut, trailing data, duplicate names, NaN, "
+        "nesting deeper than the parser's limit (1000)",
+    ),
+    ("not_json_object", "a JSON array, string, number, boolean or null"),
+    ("unknown_schema_version:<n|?>", "version not an upcaster's; ? if absent or not an integer"),
+    ("missing_or_invalid:<column>", "a non-nullable column absent, null or of the wrong JSON kind"),
+    ("not_allowed:<column>", "a value outside the column's allowed list"),
+    ("below_min:<column> / above_max:<column>", "a number outside the column's min / max"),
+    ("out_of_range:<column>", "a timestamp outside TIMESTAMP_RANGE"),
+)
+
+
 class ReplayError(BackfillError):
     """A replay could not read, write or publish its window."""
+
+
+def cache(df: DataFrame) -> DataFrame:
+    """Persist ``df`` on local disk only. A replay's caches grow with its window; kept in memory
+    they grew the local driver JVM with it (bench/throughput.py: peak RSS 1.6x for a 10x window,
+    1.15x on disk, throughput unchanged)."""
+    from pyspark import StorageLevel
+
+    return df.persist(StorageLevel.DISK_ONLY)
 
 
 @dataclass(frozen=True)
@@ -65,10 +101,37 @@ class OffsetContract:
     start: datetime
     end: datetime
     ranges: dict[int, tuple[int, int]]
+    # Per partition, Kafka's log start offset when the contract was made: offsets below it
+    # are read from the archive (empty: everything from Kafka).
+    kafka_start: dict[int, int] = field(default_factory=dict)
+    # Offsets the window may include that are neither in Kafka nor in the archive.
+    missing: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def records(self) -> int:
         return sum(e - s for s, e in self.ranges.values())
+
+    @property
+    def archive_ranges(self) -> dict[int, tuple[int, int]]:
+        """The part of each partition's range read from the archive (below log start)."""
+        out = {}
+        for p, (s, e) in self.ranges.items():
+            low = self.kafka_start.get(p, 0)
+            if s < low and e > s:
+                out[p] = (s, min(e, low))
+        return out
+
+    @property
+    def kafka_ranges(self) -> dict[int, tuple[int, int]]:
+        """The part of each partition's range read from Kafka."""
+        return {
+            p: (max(s, self.kafka_start.get(p, 0)), max(e, self.kafka_start.get(p, 0)))
+            for p, (s, e) in self.ranges.items()
+        }
+
+    @property
+    def archived_records(self) -> int:
+        return sum(e - s for s, e in self.archive_ranges.values())
 
     def to_json(self) -> str:
         return json.dumps(
@@ -99,12 +162,18 @@ class ReplayOutcome:
 
 def audit_summary(contract: OffsetContract, run_id: str) -> dict[str, str]:
     """What every snapshot a replay commits records about itself (without the prefix)."""
-    return {
+    out = {
         "run-id": run_id,
         "topic": contract.topic,
         "window": f"{contract.start.isoformat()}/{contract.end.isoformat()}",
         "offsets": contract.to_json(),
     }
+    if contract.archive_ranges:
+        out["archive-offsets"] = json.dumps(
+            {str(p): [s, e] for p, (s, e) in sorted(contract.archive_ranges.items())},
+            separators=(",", ":"),
+        )
+    return out
 
 
 def branch_write_stats(spark: SparkSession, branch: Branch) -> dict[str, int]:
@@ -138,34 +207,135 @@ def quarantine_ddl(spark_name: str) -> str:
 
 
 def offset_contract(
-    kafka: KafkaResource, topic: str, start: datetime, end: datetime
+    kafka: KafkaResource,
+    topic: str,
+    start: datetime,
+    end: datetime,
+    archive: Archive | None = None,
 ) -> OffsetContract:
-    """Map a Kafka-time window to per-partition offsets via ListOffsets-by-timestamp."""
+    """Map a Kafka-time window to per-partition offsets via ListOffsets-by-timestamp.
+
+    Below a partition's log start offset (history Kafka no longer holds), the same rule (the
+    first offset whose timestamp is >= the bound) is applied to the archive. Offsets the
+    window may include that neither holds are listed in ``missing``; callers that read must
+    refuse such a contract (see :func:`require_complete`).
+    """
     if end > datetime.now(UTC):
         raise ReplayError(
             f"window {start.isoformat()}..{end.isoformat()} of topic {topic!r} has not closed "
             "yet; backfill only hours that have ended"
         )
-    lo = kafka.offsets_for_times(topic, int(start.timestamp() * 1000))
-    hi = kafka.offsets_for_times(topic, int(end.timestamp() * 1000))
-    return OffsetContract(topic, start, end, {p: (lo[p], hi[p]) for p in sorted(lo)})
+    start_ms, end_ms = int(start.timestamp() * 1000), int(end.timestamp() * 1000)
+    lo = kafka.offsets_for_times(topic, start_ms)
+    hi = kafka.offsets_for_times(topic, end_ms)
+    marks = kafka.watermarks(topic)
+    ranges: dict[int, tuple[int, int]] = {}
+    kafka_start: dict[int, int] = {}
+    missing: dict[int, tuple[int, int]] = {}
+    for p in sorted(lo):
+        low = marks.get(p, (0, 0))[0]
+        if low == 0:
+            ranges[p] = (lo[p], hi[p])
+            continue
+        kafka_start[p] = low
+        s = _resolve(archive, topic, p, start_ms, low, lo[p])
+        e = _resolve(archive, topic, p, end_ms, low, hi[p])
+        ranges[p] = (s, max(s, e))
+        covered = archive.coverage(topic, p) if archive is not None else []
+        gap = _unknown_in(covered, low, s, max(s, e))
+        if gap is not None:
+            missing[p] = gap
+    return OffsetContract(topic, start, end, ranges, kafka_start, missing)
+
+
+def _resolve(
+    archive: Archive | None, topic: str, partition: int, ts_ms: int, low: int, from_kafka: int
+) -> int:
+    if archive is not None:
+        found = archive.first_offset_at(topic, partition, ts_ms, below=low)
+        if found is not None:
+            return found
+    return from_kafka
+
+
+def _unknown_in(
+    covered: list[tuple[int, int]], low: int, start: int, end: int
+) -> tuple[int, int] | None:
+    """The first run of offsets below ``low`` that is not archived and either overlaps
+    ``[start, end)`` or ends exactly at ``start`` (its records' timestamps are unknown, so the
+    window may begin inside it)."""
+    pos = 0
+    holes = []
+    for s, e in covered:
+        if s > pos:
+            holes.append((pos, min(s, low)))
+        pos = max(pos, e)
+    if pos < low:
+        holes.append((pos, low))
+    for h0, h1 in holes:
+        if h0 < h1 and (h1 == start or (h0 < end and h1 > start)):
+            return (h0, h1)
+    return None
+
+
+def require_complete(contract: OffsetContract, archive_uri: str) -> None:
+    """Raise, naming every missing offset range, if the contract cannot be read completely."""
+    if not contract.missing:
+        return
+    gaps = "; ".join(
+        f"partition {p} offsets [{s}, {e}) (Kafka log start {contract.kafka_start.get(p, 0)})"
+        for p, (s, e) in sorted(contract.missing.items())
+    )
+    raise ReplayError(
+        f"topic {contract.topic!r} window {contract.start.isoformat()}..{contract.end.isoformat()}"
+        f": {gaps} are neither in Kafka nor in the archive at {archive_uri}, and the window may "
+        "include them. Nothing was written or published. If these offsets were archived "
+        "elsewhere, point BACKFILL_ARCHIVE_URI there; otherwise they are gone: see "
+        f"`backfill-assets plan --topic {contract.topic} --from ... --to ...` for a window "
+        "that is complete."
+    )
 
 
 def read_contract(spark: SparkSession, settings: Settings, contract: OffsetContract) -> DataFrame:
-    """Spark's Kafka batch source over exactly the contract's offsets (read in executors)."""
-    topic = contract.topic
-    parts = sorted(contract.ranges)
+    """Exactly the contract's offsets, with Spark's Kafka source schema: offsets below Kafka's
+    log start from the archive's Parquet files, the rest from Kafka (read in executors)."""
+    from pyspark.sql import functions as F
+
+    archived = contract.archive_ranges
+    frames = []
+    if not archived or any(e > s for s, e in contract.kafka_ranges.values()):
+        frames.append(_read_kafka(spark, settings, contract.topic, contract.kafka_ranges))
+    if archived:
+        store = Archive(settings)
+        paths: list[str] = []
+        cond: Column | None = None
+        for p, (s, e) in sorted(archived.items()):
+            paths += [store.spark_uri(f.path) for f in store.files_for(contract.topic, p, s, e)]
+            part = (F.col("partition") == p) & (F.col("offset") >= s) & (F.col("offset") < e)
+            cond = part if cond is None else cond | part
+        assert cond is not None
+        frames.append(
+            spark.read.parquet(*paths)
+            .where(cond)
+            .select("key", "value", "topic", "partition", "offset", "timestamp", "timestampType")
+        )
+    union = frames[0]
+    for frame in frames[1:]:
+        union = union.unionByName(frame)
+    return union
+
+
+def _read_kafka(
+    spark: SparkSession, settings: Settings, topic: str, ranges: dict[int, tuple[int, int]]
+) -> DataFrame:
+    parts = sorted(ranges)
     reader = spark.read.format("kafka")
     for key, value in settings.kafka.spark_options().items():
         reader = reader.option(key, value)
     return (
         reader.option("assign", json.dumps({topic: parts}))
-        .option(
-            "startingOffsets", json.dumps({topic: {str(p): contract.ranges[p][0] for p in parts}})
-        )
-        .option(
-            "endingOffsets", json.dumps({topic: {str(p): contract.ranges[p][1] for p in parts}})
-        )
+        .option("startingOffsets", json.dumps({topic: {str(p): ranges[p][0] for p in parts}}))
+        .option("endingOffsets", json.dumps({topic: {str(p): ranges[p][1] for p in parts}}))
         .option("failOnDataLoss", "true")
         .option("includeHeaders", "false")
         .load()
@@ -194,12 +364,7 @@ def chunk_contract(contract: OffsetContract, max_records: int) -> list[OffsetCon
                 take[p] += 1
                 spare -= 1
         pieces.append(
-            OffsetContract(
-                contract.topic,
-                contract.start,
-                contract.end,
-                {p: (pos[p], pos[p] + take[p]) for p in sorted(pos)},
-            )
+            replace(contract, ranges={p: (pos[p], pos[p] + take[p]) for p in sorted(pos)})
         )
         pos = {p: pos[p] + take[p] for p in pos}
     return pieces
@@ -223,7 +388,7 @@ def read_throttled(
     done = 0
     cached: list[DataFrame] = []
     for piece in pieces:
-        frame = read_contract(spark, settings, piece).persist()
+        frame = cache(read_contract(spark, settings, piece))
         frame.count()
         cached.append(frame)
         done += piece.records
@@ -238,14 +403,25 @@ def read_throttled(
     return union, cached
 
 
-def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, DataFrame]:
-    """Split Kafka records into (table rows, quarantine rows), upcast to the latest schema.
+def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, DataFrame, DataFrame]:
+    """Split Kafka records into (table rows, quarantine rows), upcast to the latest schema;
+    the third frame is the cached parse both are read from (the caller unpersists it last).
 
-    Duplicates are not removed here (see :func:`deduplicate`).
+    Duplicates are not removed here (see :func:`deduplicate`). The rule for every kind of bad
+    input, first match wins, is in :data:`QUARANTINE_RULES`; a tombstone (NULL value) is a row.
     """
     from pyspark.sql import functions as F
 
+    from backfill_assets.transforms import json_field
+
     value_str = F.col("value").cast("string")
+    # Spark's JSON parser stops after the first value, so '{...} junk' or '{...}{...}' would
+    # parse as the first object and silently lose the rest. Parsed as the first element of an
+    # array closed by a sentinel, only a record holding exactly one JSON value parses whole.
+    wrapped = F.try_parse_json(F.concat(F.lit("["), value_str, F.lit(f',"{_END}"]')))
+    whole = (F.try_variant_get(wrapped, "$[1]", "string") == F.lit(_END)) & F.try_variant_get(
+        wrapped, "$[2]", "variant"
+    ).isNull()
     df = raw.select(
         F.col("topic"),
         F.col("partition").alias("kafka_partition"),
@@ -254,11 +430,11 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
         F.col("key").alias("kafka_key"),
         F.col("value").alias("kafka_value"),
         F.col("value").isNull().alias("is_tombstone"),
-        F.try_parse_json(value_str).alias("_v"),
+        F.when(whole, F.try_variant_get(wrapped, "$[0]", "variant")).alias("_v"),
     )
     v = F.col("_v")
-    version = F.try_variant_get(v, f"$.{spec.version_field}", "int")
-    df = df.withColumn("schema_version", version)
+    df = df.withColumn("schema_version", json_field(v, f"$.{spec.version_field}", "int"))
+    version = F.col("schema_version")  # computed once, not inlined into every column
     versions = sorted(spec.upcasters)
     upcast = {ver: spec.upcaster(ver)(v) for ver in versions}
     for col in spec.columns:
@@ -272,10 +448,29 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
             )
         assert expr is not None
         df = df.withColumn(col.name, expr.cast(_SPARK_TYPES[col.type]))
+    # The key stands in for a key field the payload lacks (tombstones), if it is UTF-8 text.
     key_str = F.col("kafka_key").cast("string")
-    df = df.withColumn(spec.key_field, F.coalesce(F.col(spec.key_field), key_str))
-    reason: Column = F.when(F.col("is_tombstone"), F.lit(None).cast("string"))
+    absent = F.try_variant_get(v, f"$.{spec.key_field}", "variant").isNull()
+    key_text = F.when(absent & F.is_valid_utf8(key_str), key_str)
+    df = df.withColumn(spec.key_field, F.coalesce(F.col(spec.key_field), key_text))
+    size = F.coalesce(F.length("kafka_key"), F.lit(0)) + F.coalesce(
+        F.length("kafka_value"), F.lit(0)
+    )
+    reason: Column = F.when(
+        size > spec.max_record_bytes, F.concat(F.lit("record_too_large:"), size.cast("string"))
+    )
+    reason = reason.when(
+        F.col("is_tombstone") & F.col(spec.key_field).isNull(),
+        F.lit(f"missing_or_invalid:{spec.key_field}"),
+    )
+    reason = reason.when(F.col("is_tombstone"), F.lit(None).cast("string"))
+    reason = reason.when(F.length("kafka_value") == 0, F.lit("empty_value"))
+    reason = reason.when(
+        ~F.is_valid_utf8(F.col("kafka_value").cast("string")), F.lit("invalid_utf8")
+    )
     reason = reason.when(v.isNull(), F.lit("invalid_json"))
+    is_object = F.try_variant_get(v, "$", "struct<_:variant>").isNotNull()
+    reason = reason.when(~is_object, F.lit("not_json_object"))
     reason = reason.when(
         version.isNull() | ~version.isin(versions),
         F.concat(F.lit("unknown_schema_version:"), F.coalesce(version.cast("string"), F.lit("?"))),
@@ -290,7 +485,14 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
             reason = reason.when(c < F.lit(col.min), F.lit(f"below_min:{col.name}"))
         if col.max is not None:
             reason = reason.when(c > F.lit(col.max), F.lit(f"above_max:{col.name}"))
+        if col.type == "timestamp":
+            lo, hi = (F.to_timestamp(F.lit(t)) for t in TIMESTAMP_RANGE)
+            reason = reason.when((c < lo) | (c >= hi), F.lit(f"out_of_range:{col.name}"))
     df = df.withColumn("_reason", reason).withColumn("ingest_run_id", F.lit(run_id))
+    # Cached as an optimizer barrier: otherwise Spark pushes the _reason filters below these
+    # projections with every column expression inlined, re-parsing a record's JSON for each
+    # reference (bench/throughput.py measured ~30x slower per action, growing with the window).
+    parsed = df = cache(df.drop("_v"))
     quarantine = df.where(F.col("_reason").isNotNull()).select(
         "topic",
         "kafka_partition",
@@ -304,7 +506,7 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
     table_cols = [name for name, _ in KAFKA_COLUMNS] + [c.name for c in spec.columns]
     rows = df.where(F.col("_reason").isNull()).select(*table_cols, "ingest_run_id")
     # Tombstones carry only the key; their payload columns stay NULL.
-    return rows, quarantine
+    return rows, quarantine, parsed
 
 
 def deduplicate(spec: TopicSpec, rows: DataFrame) -> DataFrame:
@@ -359,7 +561,8 @@ def replay_to_branch(
     spark.sql(table_ddl(spec, table))
     spark.sql(quarantine_ddl(qtable))
 
-    contract = offset_contract(kafka, spec.topic, start, end)
+    contract = offset_contract(kafka, spec.topic, start, end, archive=Archive(settings))
+    require_complete(contract, settings.archive_uri)
     chunks: list[DataFrame] = []
     if settings.replay_max_records_per_s:
         source, chunks = read_throttled(
@@ -367,7 +570,7 @@ def replay_to_branch(
         )
     else:
         source = read_contract(spark, settings, contract)
-    raw = source.persist()
+    raw = cache(source)
     try:
         stats = raw.agg(
             F.count("*").alias("n"),
@@ -380,9 +583,9 @@ def replay_to_branch(
         ).first()
         assert stats is not None
         records_read, bytes_read = int(stats["n"]), int(stats["bytes"])
-        rows, quarantine = parse(spec, raw, run_id)
-        rows = deduplicate(spec, rows).persist()
-        quarantine = quarantine.persist()
+        rows, quarantine, parsed = parse(spec, raw, run_id)
+        rows = cache(deduplicate(spec, rows))
+        quarantine = cache(quarantine)
         n_rows = rows.count()
         n_quarantined = quarantine.count()
         duplicates = records_read - n_quarantined - n_rows
@@ -411,6 +614,7 @@ def replay_to_branch(
             chunk.unpersist()
     rows.unpersist()
     quarantine.unpersist()
+    parsed.unpersist()  # last: unpersisting it first would re-plan the caches built on it
     return ReplayOutcome(
         contract=contract,
         branch=branch,

@@ -6,10 +6,11 @@ starts, so no connection detail or secret ever lands in run config or the Dagste
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import dagster as dg
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 from dagster_pyspark import PySparkResource
 from pydantic import Field
@@ -62,7 +63,32 @@ class KafkaResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         return Consumer(conf)
 
     def partitions(self, topic: str) -> list[int]:
-        meta = self.admin().list_topics(topic=topic, timeout=self.request_timeout_s)
+        """The topic's partitions. Every offset look-up starts here, so this is where a broker
+        that refuses our credentials fails the run at once, naming the broker, instead of
+        after the request timeout with librdkafka's generic "transport failure"."""
+        errors: list[KafkaError] = []
+        conf: dict[str, Any] = {**self.settings.kafka.client_config(), "error_cb": errors.append}
+        admin = AdminClient(conf)
+        bootstrap = self.settings.kafka.bootstrap_servers
+        deadline = time.monotonic() + self.request_timeout_s
+        while True:
+            try:
+                meta = admin.list_topics(topic=topic, timeout=1.0)
+                break
+            except KafkaException as exc:
+                admin.poll(0)  # serves error_cb: authentication errors arrive there
+                auth = [e for e in errors if e.code() == KafkaError._AUTHENTICATION]
+                if auth:
+                    raise dg.Failure(
+                        f"Kafka at {bootstrap} rejected authentication: {auth[0].str()}. Check "
+                        "BACKFILL_KAFKA_SASL_USERNAME, BACKFILL_KAFKA_SASL_PASSWORD and "
+                        "BACKFILL_KAFKA_SASL_MECHANISM"
+                    ) from None
+                if time.monotonic() >= deadline:
+                    raise dg.Failure(
+                        f"Kafka at {bootstrap} did not answer a metadata request for topic "
+                        f"{topic!r} within {self.request_timeout_s:.0f}s: {exc}"
+                    ) from None
         info = meta.topics.get(topic)
         if info is None or info.error is not None:
             raise dg.Failure(

@@ -71,13 +71,19 @@ class KafkaSettings:
                     else "org.apache.kafka.common.security.scram.ScramLoginModule"
                 )
                 opts["kafka.sasl.jaas.config"] = (
-                    f'{module} required username="{self.sasl_username}" '
-                    f'password="{self.sasl_password}";'
+                    f"{module} required username={jaas_quote(self.sasl_username)} "
+                    f"password={jaas_quote(self.sasl_password)};"
                 )
         if self.ssl_ca_location:
             opts["kafka.ssl.truststore.type"] = "PEM"
             opts["kafka.ssl.truststore.location"] = self.ssl_ca_location
         return opts
+
+
+def jaas_quote(value: str) -> str:
+    """A JAAS option value in double quotes; Kafka's JAAS parser reads ``\\`` and ``\\"``
+    inside quotes as escapes, so a password with quotes or backslashes survives intact."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 @dataclass(frozen=True)
@@ -116,11 +122,13 @@ class Settings:
     spark_driver_memory: str
     spark_shuffle_partitions: int
     archive_uri: str
+    archive_file_records: int
     dagster_storage: Path
     webserver_host: str
     webserver_port: int
     sensors_running: bool = True
     replay_max_records_per_s: int = 0  # 0: no throttle
+    fault_point: str | None = None  # test-only: see backfill_assets.faults
 
     @property
     def kafka_data_dir(self) -> Path:
@@ -196,6 +204,7 @@ class Settings:
             spark_driver_memory=env.get("BACKFILL_SPARK_DRIVER_MEMORY", "2g"),
             spark_shuffle_partitions=_int(env, "BACKFILL_SPARK_SHUFFLE_PARTITIONS", 4),
             archive_uri=env.get("BACKFILL_ARCHIVE_URI", (home / "archive").as_uri()),
+            archive_file_records=_int(env, "BACKFILL_ARCHIVE_FILE_RECORDS", 100_000),
             dagster_storage=Path(
                 env.get("BACKFILL_DAGSTER_STORAGE", str(home / "dagster"))
             ).resolve(),
@@ -205,6 +214,7 @@ class Settings:
             replay_max_records_per_s=_int(
                 env, "BACKFILL_REPLAY_MAX_RECORDS_PER_S", 0, zero_ok=True
             ),
+            fault_point=_fault_point(env),
         )
 
 
@@ -220,6 +230,20 @@ def _int(env: Mapping[str, str], name: str, default: int, zero_ok: bool = False)
         kind = "zero or a positive" if zero_ok else "a positive"
         raise SettingsError(f"{name}={raw!r} must be {kind} whole number")
     return value
+
+
+def _fault_point(env: Mapping[str, str]) -> str | None:
+    from backfill_assets.faults import POINTS
+
+    raw = env.get("BACKFILL_FAULT_POINT")
+    if raw is None or raw == "":
+        return None
+    if raw not in POINTS:
+        raise SettingsError(
+            f"BACKFILL_FAULT_POINT={raw!r} is not a failpoint (test-only setting); "
+            f"allowed: {', '.join(POINTS)}"
+        )
+    return raw
 
 
 def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:

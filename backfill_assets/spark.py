@@ -3,6 +3,7 @@ production; only :class:`~backfill_assets.settings.Settings` differs."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -43,6 +44,24 @@ def spark_config(settings: Settings) -> dict[str, str]:
     }
     conf = {k: v for k, v in conf.items() if v != ""}
     conf.update(catalog.spark_properties(settings.catalog))
+    conf.update(_archive_s3a(settings))
+    return conf
+
+
+def _archive_s3a(settings: Settings) -> dict[str, str]:
+    """Hadoop s3a settings for reading an ``s3://`` archive (hadoop-aws jar in production)."""
+    if not settings.archive_uri.startswith(("s3://", "s3a://")):
+        return {}
+    cfg = settings.catalog
+    conf = {}
+    if cfg.s3_endpoint:
+        conf["spark.hadoop.fs.s3a.endpoint"] = cfg.s3_endpoint
+        conf["spark.hadoop.fs.s3a.path.style.access"] = "true"
+    if cfg.s3_access_key_id and cfg.s3_secret_access_key:
+        conf["spark.hadoop.fs.s3a.access.key"] = cfg.s3_access_key_id
+        conf["spark.hadoop.fs.s3a.secret.key"] = cfg.s3_secret_access_key
+    if cfg.s3_region:
+        conf["spark.hadoop.fs.s3a.endpoint.region"] = cfg.s3_region
     return conf
 
 
@@ -50,6 +69,9 @@ def get_session(settings: Settings) -> SparkSession:
     """The process's Spark session, created on first use (``getOrCreate``)."""
     from pyspark.sql import SparkSession
 
+    # py4j logs every call into the JVM with its arguments at DEBUG: the Kafka JAAS line and
+    # catalog passwords would land in any DEBUG log. Never let it go below INFO.
+    logging.getLogger("py4j").setLevel(logging.INFO)
     catalog.init_local_catalog(settings.catalog)
     if settings.spark_master.startswith("local"):
         # PySpark picks the worker interpreter from PYSPARK_PYTHON when the context starts.

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 SPEC_PATH = Path(__file__).with_name("topics.yaml")
 COLUMN_TYPES = ("string", "bigint", "int", "double", "boolean", "timestamp")
+# Kafka's own default limit for one record batch (message.max.bytes) is about 1 MiB.
+DEFAULT_MAX_RECORD_BYTES = 1_048_576
 Upcaster = Callable[["Column"], dict[str, "Column"]]
 
 
@@ -51,6 +53,8 @@ class TopicSpec:
     quarantine_max_ratio: float
     upcasters: Mapping[int, str]
     columns: tuple[ColumnSpec, ...]
+    # A record whose key + value exceed this is quarantined as record_too_large:<bytes>.
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 
     @property
     def raw_table(self) -> str:
@@ -103,6 +107,9 @@ def _topic(entry: Any, index: int, path: Path) -> TopicSpec:
     ratio = float(_req(entry, "quarantine_max_ratio", (int, float), where))
     if not 0 <= ratio <= 1:
         raise SpecError(f"{where}: quarantine_max_ratio must be between 0 and 1")
+    max_bytes = entry.get("max_record_bytes", DEFAULT_MAX_RECORD_BYTES)
+    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
+        raise SpecError(f"{where}: max_record_bytes must be a positive whole number of bytes")
     raw_up = _req(entry, "upcasters", dict, where)
     upcasters: dict[int, str] = {}
     for version, target in raw_up.items():
@@ -140,6 +147,7 @@ def _topic(entry: Any, index: int, path: Path) -> TopicSpec:
         quarantine_max_ratio=ratio,
         upcasters=upcasters,
         columns=columns,
+        max_record_bytes=max_bytes,
     )
 
 

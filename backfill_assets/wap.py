@@ -11,10 +11,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.errors import BackfillError
+from backfill_assets.faults import failpoint
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -54,6 +56,7 @@ def open_branch(spark: SparkSession, table: str, run_id: str) -> Branch:
         main_before = ref_snapshot_id(spark, table, "main")
     name = branch_name(run_id)
     spark.sql(f"ALTER TABLE {table} CREATE OR REPLACE BRANCH `{name}`")
+    failpoint("branch_opened")
     return Branch(table, name, main_before)
 
 
@@ -77,6 +80,7 @@ def publish(spark: SparkSession, branch: Branch, summary: dict[str, str]) -> int
             f"published; branch {branch.name!r} is kept. Re-run the backfill."
         )
     commit.commit()
+    failpoint("branch_committed")
     catalog_name, namespace_table = branch.table.split(".", 1)
     try:
         spark.sql(
@@ -87,10 +91,37 @@ def publish(spark: SparkSession, branch: Branch, summary: dict[str, str]) -> int
             f"could not fast-forward main of {branch.table} to branch {branch.name!r}: "
             f"{str(exc).splitlines()[0]}. Main is unchanged; re-run the backfill."
         ) from exc
+    failpoint("main_fast_forwarded")
     published = ref_snapshot_id(spark, branch.table, "main")
     assert published is not None
     spark.sql(f"ALTER TABLE {branch.table} DROP BRANCH IF EXISTS `{branch.name}`")
+    with contextlib.suppress(Exception):  # housekeeping must never fail a done publish
+        drop_published_leftovers(spark, branch.table)
     return published
+
+
+def drop_published_leftovers(spark: SparkSession, table: str) -> list[str]:
+    """Drop the branches of runs that died right after fast-forwarding main (before dropping
+    their branch): the head is the run's own published snapshot, already in main's history,
+    so the branch holds nothing main does not. Returns the names dropped.
+
+    Every other leftover is kept: a branch whose run died before publishing looks exactly like
+    the branch of a run still at work, and a failed run's branch is kept for inspection.
+    """
+    rows = spark.sql(
+        f"SELECT r.name, s.summary['{SUMMARY_PREFIX}run-id'] AS run_id, "
+        f"s.summary['{SUMMARY_PREFIX}published'] AS published, h.is_current_ancestor "
+        f"FROM {table}.refs r JOIN {table}.snapshots s ON r.snapshot_id = s.snapshot_id "
+        f"JOIN {table}.history h ON h.snapshot_id = r.snapshot_id "
+        "WHERE r.type = 'BRANCH' AND r.name != 'main'"
+    ).collect()
+    dropped = []
+    for row in rows:
+        own = row["run_id"] is not None and branch_name(row["run_id"]) == row["name"]
+        if own and row["published"] == "true" and row["is_current_ancestor"]:
+            spark.sql(f"ALTER TABLE {table} DROP BRANCH IF EXISTS `{row['name']}`")
+            dropped.append(row["name"])
+    return dropped
 
 
 def ref_snapshot_id(spark: SparkSession, table: str, ref: str) -> int | None:

@@ -29,6 +29,7 @@ def test_shipped_spec_loads() -> None:
     assert sorted(orders.upcasters) == [1, 2]
     assert orders.raw_table == "raw_orders"
     assert orders.allowed_lateness_hours == 3
+    assert orders.max_record_bytes == 1_048_576
 
 
 @pytest.mark.parametrize(
@@ -41,6 +42,8 @@ def test_shipped_spec_loads() -> None:
         ({"allowed_lateness_hours": -1}, "allowed_lateness_hours must be >= 0"),
         ({"allowed_lateness_hours": "3h"}, "field 'allowed_lateness_hours' has the wrong type"),
         ({"quarantine_max_ratio": 2}, "quarantine_max_ratio must be between 0 and 1"),
+        ({"max_record_bytes": 0}, "max_record_bytes must be a positive whole number"),
+        ({"max_record_bytes": "1MB"}, "max_record_bytes must be a positive whole number"),
         ({"upcasters": {1: "backfill_assets.transforms.orders:nope"}}, "is not a function"),
         ({"upcasters": {1: "no_such_module:f"}}, "cannot import no_such_module"),
         ({"event_id_field": None}, "missing required field 'event_id_field'"),

@@ -1,20 +1,27 @@
 """Upcasters for the ``orders`` topic. Each takes the parsed payload (a Spark VARIANT column)
 and returns the latest schema's columns; a value that cannot be read as its type becomes NULL,
-which the replay then quarantines with the column's name as the reason."""
+which the replay then quarantines with the column's name as the reason. Every field is read with
+:func:`~backfill_assets.transforms.json_field`: a value of the wrong JSON kind (``"123"`` for a
+number, ``{...}`` for a string, ``12.7`` for an integer) is NULL, never coerced."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from backfill_assets.transforms import json_field
+
 if TYPE_CHECKING:
     from pyspark.sql import Column
 
 
-def _common(v: Column) -> dict[str, Column]:
-    from pyspark.sql import functions as F
+# Epoch milliseconds Spark's timestamp_millis accepts without overflow (years 0001..9999); a
+# value outside stays NULL instead of failing the whole run.
+_MIN_MS, _MAX_MS = -62_135_596_800_000, 253_402_300_799_999
 
+
+def _common(v: Column) -> dict[str, Column]:
     return {
-        name: F.try_variant_get(v, f"$.{name}", "string")
+        name: json_field(v, f"$.{name}", "string")
         for name in ("event_id", "order_id", "customer_id", "event_type", "status", "currency")
     }
 
@@ -23,12 +30,12 @@ def upcast_v1(v: Column) -> dict[str, Column]:
     """v1: ``amount`` in major units (float), ``event_time`` an ISO-8601 string, no channel."""
     from pyspark.sql import functions as F
 
-    amount = F.try_variant_get(v, "$.amount", "decimal(18,2)")
+    amount = json_field(v, "$.amount", "decimal(18,2)")
     return {
         **_common(v),
         "amount_minor": (amount * 100).cast("bigint"),
         "channel": F.lit("unknown"),
-        "event_time": F.try_to_timestamp(F.try_variant_get(v, "$.event_time", "string")),
+        "event_time": F.try_to_timestamp(json_field(v, "$.event_time", "string")),
     }
 
 
@@ -36,9 +43,10 @@ def upcast_v2(v: Column) -> dict[str, Column]:
     """v2: ``amount_minor`` in minor units, ``event_time`` epoch milliseconds, ``channel``."""
     from pyspark.sql import functions as F
 
+    millis = json_field(v, "$.event_time", "bigint")
     return {
         **_common(v),
-        "amount_minor": F.try_variant_get(v, "$.amount_minor", "bigint"),
-        "channel": F.try_variant_get(v, "$.channel", "string"),
-        "event_time": F.timestamp_millis(F.try_variant_get(v, "$.event_time", "bigint")),
+        "amount_minor": json_field(v, "$.amount_minor", "bigint"),
+        "channel": json_field(v, "$.channel", "string"),
+        "event_time": F.when(millis.between(_MIN_MS, _MAX_MS), F.timestamp_millis(millis)),
     }

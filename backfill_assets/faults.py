@@ -1,0 +1,43 @@
+"""Test-only failpoints: named places in the write-audit-publish path where a run can be made
+to die by SIGKILL, to prove that a crash at any of them leaves main either untouched or fully
+published, and that a re-run converges.
+
+A failpoint does nothing unless ``BACKFILL_FAULT_POINT`` (read by
+:mod:`backfill_assets.settings`) names it. Then it sends SIGKILL: to the whole process group
+when this process leads it (the fault tests start each run with its own session, so the Spark
+JVM and its Python workers die in the same instant, as when a container or node dies), else to
+this process alone. Nothing runs after it: no ``finally``, no ``atexit``, no audit row.
+
+Never set ``BACKFILL_FAULT_POINT`` outside tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+# In the order a raw run reaches them.
+POINTS = (
+    # wap.open_branch: the quarantine window is written, the run branch exists, nothing is
+    # written to it yet (the next step is the branch write commit).
+    "branch_opened",
+    # assets._audit_and_publish: every blocking check passed, nothing published yet.
+    "checks_passed",
+    # wap.publish: the audit commit is on the branch, main is not fast-forwarded yet.
+    "branch_committed",
+    # wap.publish: main is fast-forwarded; the branch is not dropped and no audit row written.
+    "main_fast_forwarded",
+)
+
+
+def failpoint(name: str) -> None:
+    """SIGKILL this run here if ``BACKFILL_FAULT_POINT`` names ``name``; otherwise nothing."""
+    from backfill_assets.settings import Settings
+
+    if name not in POINTS:
+        raise ValueError(f"unknown failpoint {name!r}; known: {', '.join(POINTS)}")
+    if Settings.from_env().fault_point != name:
+        return
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
