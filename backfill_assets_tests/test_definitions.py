@@ -10,13 +10,14 @@ from backfill_assets.definitions import defs
 RAW = dg.AssetKey(["raw", "orders"])
 HOURLY = dg.AssetKey(["lakehouse", "orders_hourly"])
 CURRENT = dg.AssetKey(["lakehouse", "orders_current"])
+ARCHIVE = dg.AssetKey(["archive", "orders"])
 
 
 def test_asset_keys_and_resources() -> None:
     repo = defs.get_repository_def()
     assert set(repo.get_top_level_resources()) >= {"kafka", "spark", "iceberg"}
     graph = defs.resolve_asset_graph()
-    assert set(graph.get_all_asset_keys()) == {RAW, HOURLY, CURRENT}
+    assert set(graph.get_all_asset_keys()) == {RAW, HOURLY, CURRENT, ARCHIVE}
     sensors = {s.name: s for s in defs.sensors or []}
     assert set(sensors) == {"orders_offset_gaps", "orders_late_data"}
     assert set(sensors["orders_offset_gaps"].asset_selection.resolve(graph)) == {  # type: ignore[union-attr]
@@ -24,6 +25,9 @@ def test_asset_keys_and_resources() -> None:
         HOURLY,
         CURRENT,
     }
+    schedules = {s.name: s for s in defs.schedules or []}
+    assert set(schedules) == {"orders_archive_hourly"}
+    assert schedules["orders_archive_hourly"].cron_schedule == "5 * * * *"  # type: ignore[union-attr]
 
 
 def test_blocking_checks_users_rely_on() -> None:
