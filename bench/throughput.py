@@ -1,0 +1,503 @@
+"""Benchmark: replay throughput of the raw asset (with write-audit-publish) and its driver memory.
+
+Starts its own broker (free ports, temporary BACKFILL_HOME), writes generated history to a fresh
+topic, then, in one run (ratios compare within a run only):
+
+1. the full Dagster materialization of the raw asset over ``--hours`` hourly partitions (exact
+   offsets, parse, dedupe, branch write, blocking checks, publish), each repetition into a fresh
+   catalog namespace (fresh tables);
+2. baseline (a): a bare Spark Kafka -> Parquet job over exactly the same offsets, in the same
+   Spark session;
+3. baseline (b): a librdkafka (confluent_kafka) consume-and-discard loop over the same offsets
+   (partitions assigned at their start offsets, no group, no commits); and, for reference,
+   (c): the asset's own read + parse + dedupe written to Parquet (no Iceberg, WAP or Dagster);
+4. driver peak memory (VmHWM) of the Python driver and of the Spark driver JVM for a 1x and a
+   ``--mem-factor``x range, each materialized in a fresh subprocess (this script with
+   ``--child``).
+
+Every contender runs once on a one-hour warm-up range first, so JVM start-up, class loading and
+JIT are not counted. ``--repeat N`` interleaves the contenders N times and reports the median.
+``--profile`` also times every Spark action of one more asset run (labelled by its caller).
+
+Run from the repository root (jars resolved by scripts/bootstrap.sh):
+    .venv/bin/python bench/throughput.py
+Timings on a shared 2-core machine are noisy: compare ratios from the same run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from backfill_assets.replay import OffsetContract
+    from backfill_assets.settings import Settings
+    from backfill_assets.spec import TopicSpec
+
+HISTORY_START = datetime(2026, 9, 1, tzinfo=UTC)
+CHILD_MARKER = "BENCH_CHILD_RESULT "
+ASSET_GOAL = 0.7  # asset records/s >= 0.7x bare Spark
+MEMORY_GOAL = 1.2  # driver peak RSS at 10x range <= 1.2x that at 1x
+PHASE_CHECKS = "[phase] checks.run_checks, all of it"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def partition_key(hour: datetime) -> str:
+    return hour.strftime("%Y-%m-%d-%H:%M")
+
+
+def orders_spec(topic: str) -> TopicSpec:
+    from backfill_assets.spec import load_specs
+
+    (orders,) = [s for s in load_specs() if s.topic == "orders"]
+    return dataclasses.replace(orders, topic=topic)
+
+
+def resources() -> dict[str, object]:
+    """The raw asset's resources, as in definitions.RESOURCES (not imported: the bench needs
+    only the raw asset, not every asset and sensor the definitions build)."""
+    from backfill_assets.resources import IcebergResource, KafkaResource, SparkResource
+
+    return {"kafka": KafkaResource(), "spark": SparkResource(), "iceberg": IcebergResource()}
+
+
+def use_namespace(name: str) -> None:
+    """Point every later materialization at fresh tables (resources read the env per run)."""
+    os.environ["BACKFILL_NAMESPACE"] = name
+
+
+def materialize(spec: TopicSpec, start: datetime, end: datetime) -> tuple[float, dict[str, Any]]:
+    """The raw asset over the partitions in [start, end); wall seconds and its metadata."""
+    import dagster as dg
+
+    from backfill_assets.assets import build_raw_asset
+
+    began = time.monotonic()
+    result = dg.materialize(
+        [build_raw_asset(spec)],
+        resources=resources(),
+        instance=dg.DagsterInstance.ephemeral(),
+        tags={
+            "dagster/asset_partition_range_start": partition_key(start),
+            "dagster/asset_partition_range_end": partition_key(end - timedelta(hours=1)),
+        },
+    )
+    seconds = time.monotonic() - began
+    assert result.success
+    mats = [e.materialization for e in result.get_asset_materialization_events()]
+    meta = {k: getattr(v, "value", v) for k, v in mats[-1].metadata.items()}
+    return seconds, meta
+
+
+def bare_spark(
+    spark: SparkSession, settings: Settings, contract: OffsetContract, out: Path
+) -> tuple[float, int]:
+    """Kafka -> Parquet over the contract's offsets, nothing else; seconds and rows written."""
+    from backfill_assets.replay import read_contract
+
+    shutil.rmtree(out, ignore_errors=True)
+    began = time.monotonic()
+    read_contract(spark, settings, contract).write.mode("overwrite").parquet(str(out))
+    seconds = time.monotonic() - began
+    rows = spark.read.parquet(str(out)).count()  # not timed: proves the job read everything
+    return seconds, rows
+
+
+def spark_parse(
+    spark: SparkSession, settings: Settings, spec: TopicSpec, contract: OffsetContract, out: Path
+) -> float:
+    """The asset's own read, parse and dedupe, written to Parquet: no Iceberg, branch, checks,
+    publish or Dagster. Separates the cost of the transform from that of write-audit-publish."""
+    from backfill_assets.replay import deduplicate, parse, read_contract
+
+    shutil.rmtree(out, ignore_errors=True)
+    began = time.monotonic()
+    rows, quarantine, *cached = parse(spec, read_contract(spark, settings, contract), "bench")
+    deduplicate(spec, rows).write.parquet(str(out / "rows"))
+    quarantine.write.parquet(str(out / "quarantine"))
+    seconds = time.monotonic() - began
+    for frame in cached:
+        frame.unpersist()
+    return seconds
+
+
+def librdkafka(settings: Settings, contract: OffsetContract) -> tuple[float, int]:
+    """Consume and discard the contract's offsets; seconds and records consumed."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    began = time.monotonic()
+    consumer = Consumer(
+        {
+            **settings.kafka.client_config(),
+            "group.id": f"bench-discard-{uuid.uuid4().hex[:6]}",  # never joined: assign only
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+        }
+    )
+    todo = {p: (s, e) for p, (s, e) in contract.ranges.items() if e > s}
+    consumer.assign([TopicPartition(contract.topic, p, s) for p, (s, _) in todo.items()])
+    got = 0
+    deadline = time.monotonic() + 600
+    while todo and time.monotonic() < deadline:
+        for msg in consumer.consume(num_messages=10_000, timeout=1.0):
+            if msg.error():
+                continue
+            p, offset = msg.partition(), msg.offset()
+            rng = todo.get(p)  # type: ignore[arg-type]
+            if rng is None or offset is None or offset >= rng[1]:
+                continue
+            got += 1
+            if offset >= rng[1] - 1:
+                del todo[p]  # type: ignore[arg-type]
+    seconds = time.monotonic() - began
+    consumer.close()
+    assert not todo, f"partitions not drained: {todo}"
+    return seconds, got
+
+
+def vm_hwm_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmHWM for pid {pid}")
+
+
+def jvm_old_gen_peak_mib(spark: SparkSession) -> float:
+    """Peak use of the JVM's old generation (what the heap retained: caches, not garbage)."""
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    pools = jvm.java.lang.management.ManagementFactory.getMemoryPoolMXBeans()
+    used = sum(int(p.getPeakUsage().getUsed()) for p in pools if "Old Gen" in str(p.getName()))
+    return used / 2**20
+
+
+def child(args: argparse.Namespace) -> None:
+    """One materialization in this fresh process; print its peak memory as one JSON line."""
+    from backfill_assets import spark as spark_mod
+    from backfill_assets.settings import Settings
+
+    start = datetime.fromisoformat(args.start)
+    use_namespace(args.namespace)
+    seconds, meta = materialize(orders_spec(args.topic), start, datetime.fromisoformat(args.end))
+    session = spark_mod.get_session(Settings.from_env())  # the run's session (getOrCreate)
+    jvm = session.sparkContext._jvm
+    assert jvm is not None
+    jvm_pid = int(jvm.java.lang.ProcessHandle.current().pid())
+    result = {
+        "seconds": seconds,
+        "records": meta["records_read"],
+        "python_kib": vm_hwm_kib(os.getpid()),
+        "jvm_kib": vm_hwm_kib(jvm_pid),
+        "jvm_old_gen_peak_mib": jvm_old_gen_peak_mib(session),
+    }
+    print(CHILD_MARKER + json.dumps(result), flush=True)
+    session.stop()
+
+
+def run_child(topic: str, start: datetime, end: datetime, namespace: str) -> dict[str, Any]:
+    cmd = [
+        *(sys.executable, os.path.abspath(__file__), "--child"),
+        *("--topic", topic, "--start", start.isoformat(), "--end", end.isoformat()),
+        *("--namespace", namespace),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), check=False)
+    for line in proc.stdout.splitlines():
+        if line.startswith(CHILD_MARKER):
+            out: dict[str, Any] = json.loads(line.removeprefix(CHILD_MARKER))
+            return out
+    raise RuntimeError(f"child failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+# --- --profile: time every Spark action of one asset run, labelled by its caller -------------
+
+
+@contextmanager
+def action_timer() -> Iterator[dict[str, list[float]]]:
+    """Wrap DataFrame actions and V2 writes; record (outermost call only) seconds per caller."""
+    from pyspark.sql import DataFrameWriterV2
+    from pyspark.sql.classic.dataframe import DataFrame  # the class sessions hand out
+
+    from backfill_assets import checks
+
+    timings: dict[str, list[float]] = defaultdict(list)
+    depth = [0]
+    originals: list[tuple[Any, str, Any]] = []
+
+    def wrap(owner: Any, name: str, label: str | None = None) -> None:
+        """Time calls of ``owner.name``; with ``label``, a phase (its actions still count)."""
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def timed(*a: Any, **kw: Any) -> Any:
+            if depth[0] and label is None:
+                return original(*a, **kw)
+            frame = sys._getframe(1)
+            key = label or f"{frame.f_code.co_name}:{frame.f_lineno} {name}"
+            depth[0] += label is None
+            began = time.monotonic()
+            try:
+                return original(*a, **kw)
+            finally:
+                depth[0] -= label is None
+                timings[key].append(time.monotonic() - began)
+
+        originals.append((owner, name, original))
+        setattr(owner, name, timed)
+
+    for name in ("count", "collect", "first"):
+        wrap(DataFrame, name)
+    wrap(DataFrameWriterV2, "overwrite")
+    wrap(checks, "run_checks", PHASE_CHECKS)
+    try:
+        yield timings
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+# --- the parent -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Sample:
+    seconds: list[float] = dataclasses.field(default_factory=list)
+    records: int = 0
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def rate(self) -> float:
+        return self.records / self.median
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--hours", type=int, default=4, help="hourly partitions in the 1x range")
+    parser.add_argument("--events-per-hour", type=int, default=12_000)
+    parser.add_argument("--mem-factor", type=int, default=10, help="the large memory range")
+    parser.add_argument("--repeat", type=int, default=1, help="interleaved runs; median")
+    parser.add_argument("--mem-repeat", type=int, default=1, help="runs per range; median")
+    parser.add_argument("--profile", action="store_true", help="time each Spark action too")
+    parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--topic", help=argparse.SUPPRESS)
+    parser.add_argument("--start", help=argparse.SUPPRESS)
+    parser.add_argument("--end", help=argparse.SUPPRESS)
+    parser.add_argument("--namespace", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")  # Dagster's beta notices on import
+    if args.child:
+        child(args)
+        return
+
+    home = tempfile.mkdtemp(prefix="bench-throughput-")
+    os.environ.update(
+        {
+            "BACKFILL_HOME": home,
+            "BACKFILL_JAR_CACHE": os.path.abspath(".stack/jars"),
+            "BACKFILL_KAFKA_PORT": str(free_port()),
+            "BACKFILL_KAFKA_CONTROLLER_PORT": str(free_port()),
+            "BACKFILL_DAGSTER_STORAGE": os.path.join(home, "dagster"),
+            "PYICEBERG_HOME": os.path.join(home, "pyiceberg-home"),
+            "BACKFILL_SENSORS": "off",
+        }
+    )
+    from backfill_assets.broker import LocalBroker
+    from backfill_assets.generator import GeneratorConfig, generate
+    from backfill_assets.settings import Settings
+
+    settings = Settings.from_env()
+    print(
+        f"Spark {settings.spark_master}, driver memory {settings.spark_driver_memory}, "
+        f"shuffle partitions {settings.spark_shuffle_partitions}; load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    broker = LocalBroker(settings)
+    broker.start()
+    try:
+        # Hour 0 is the warm-up range; the measured ranges start at hour 1.
+        hours = 1 + max(args.hours, 0 if args.skip_memory else args.hours * args.mem_factor)
+        topic = f"bench_{uuid.uuid4().hex[:6]}"
+        began = time.monotonic()
+        truth = generate(
+            settings,
+            GeneratorConfig(
+                topic=topic,
+                start=HISTORY_START,
+                hours=hours,
+                events_per_hour=args.events_per_hour,
+            ),
+        )
+        print(
+            f"generated {truth.totals['records']:,} records over {hours} h into {topic} "
+            f"in {time.monotonic() - began:.0f}s"
+        )
+        start = HISTORY_START + timedelta(hours=1)
+        if not args.skip_throughput:
+            throughput(args, settings, topic, start)
+        if not args.skip_memory:
+            memory(args, topic, start)
+    finally:
+        broker.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def throughput(args: argparse.Namespace, settings: Settings, topic: str, start: datetime) -> None:
+    from backfill_assets import spark as spark_mod
+    from backfill_assets.replay import offset_contract
+    from backfill_assets.resources import KafkaResource
+
+    spec = orders_spec(topic)
+    kafka = KafkaResource()
+    warm = (HISTORY_START, HISTORY_START + timedelta(hours=1))
+    end = start + timedelta(hours=args.hours)
+    contract = offset_contract(kafka, topic, start, end)
+    warm_contract = offset_contract(kafka, topic, *warm)
+    parquet = settings.home / "parquet"
+
+    spark = spark_mod.get_session(settings)
+    began = time.monotonic()
+    use_namespace("bench_warmup")
+    materialize(spec, *warm)
+    bare_spark(spark, settings, warm_contract, parquet)
+    spark_parse(spark, settings, spec, warm_contract, parquet)
+    librdkafka(settings, warm_contract)
+    print(f"warm-up (1 h, {warm_contract.records:,} offsets): {time.monotonic() - began:.0f}s")
+
+    asset, bare, parsed, rdk = Sample(), Sample(), Sample(), Sample()
+    replay_s: list[float] = []
+    for i in range(args.repeat):
+        use_namespace(f"bench_r{i}")
+        seconds, meta = materialize(spec, start, end)
+        asset.seconds.append(seconds)
+        asset.records = int(meta["records_read"])
+        replay_s.append(float(meta["duration_s"]))
+        seconds, bare.records = bare_spark(spark, settings, contract, parquet)
+        bare.seconds.append(seconds)
+        parsed.seconds.append(spark_parse(spark, settings, spec, contract, parquet))
+        parsed.records = asset.records
+        seconds, rdk.records = librdkafka(settings, contract)
+        rdk.seconds.append(seconds)
+        print(
+            f"  run {i + 1}/{args.repeat}: asset {asset.seconds[-1]:.1f}s "
+            f"(replay to branch {replay_s[-1]:.1f}s), bare Spark {bare.seconds[-1]:.1f}s, "
+            f"Spark parse {parsed.seconds[-1]:.1f}s, librdkafka {rdk.seconds[-1]:.1f}s"
+        )
+    assert asset.records == bare.records == rdk.records, (
+        f"contenders read different record counts: asset {asset.records}, "
+        f"bare Spark {bare.records}, librdkafka {rdk.records}"
+    )
+
+    stat = "median" if args.repeat > 1 else "single run"
+    print()
+    print(
+        f"Throughput over {args.hours} h x {args.events_per_hour:,} events/h "
+        f"({contract.records:,} offsets in {len(contract.ranges)} partitions), {stat} "
+        f"of {args.repeat}:"
+    )
+    print(f"  {'contender':<46} {'records':>9} {'seconds':>8} {'records/s':>10}")
+    rows: list[tuple[str, Sample]] = [
+        ("raw asset (materialize: WAP, checks, publish)", asset),
+        ("(a) bare Spark Kafka -> Parquet", bare),
+        ("(b) librdkafka consume-and-discard", rdk),
+        ("(c) Spark parse + dedupe -> Parquet, no WAP", parsed),
+    ]
+    for name, sample in rows:
+        print(f"  {name:<46} {sample.records:>9,} {sample.median:>8.2f} {sample.rate:>10,.0f}")
+    replay = statistics.median(replay_s)
+    print(
+        f"  {'  of which replay_to_branch (its duration_s)':<46} {asset.records:>9,} "
+        f"{replay:>8.2f} {asset.records / replay:>10,.0f}"
+    )
+    vs_bare = asset.rate / bare.rate
+    print()
+    print(
+        f"  asset / bare Spark:      {vs_bare:.2f}x  "
+        f"(goal >= {ASSET_GOAL}x: {goal(vs_bare >= ASSET_GOAL)})"
+    )
+    print(f"  asset / librdkafka:      {asset.rate / rdk.rate:.2f}x")
+    print(f"  bare Spark / librdkafka: {bare.rate / rdk.rate:.2f}x")
+    print(f"  asset / (c) parse only:  {asset.rate / parsed.rate:.2f}x  (cost of WAP + Dagster)")
+
+    if args.profile:
+        use_namespace("bench_profile")
+        with action_timer() as timings:
+            total, _ = materialize(spec, start, end)
+        print()
+        print(f"Profile of one more asset run ({total:.1f}s wall), outermost Spark actions:")
+        timed = 0.0
+        for label, secs in sorted(timings.items(), key=lambda kv: -sum(kv[1])):
+            timed += sum(secs) if label != PHASE_CHECKS else 0.0
+            print(f"  {sum(secs):>7.2f}s  x{len(secs):<3} {label}")
+        print(f"  {total - timed:>7.2f}s  rest (Dagster, DDL, catalog, audit table, publish)")
+    spark.stop()
+
+
+def memory(args: argparse.Namespace, topic: str, start: datetime) -> None:
+    """Each range in a fresh process, ``--mem-repeat`` times (alternating); medians."""
+    runs: dict[int, list[dict[str, Any]]] = {1: [], args.mem_factor: []}
+    for _ in range(args.mem_repeat):
+        for factor, done in runs.items():
+            end = start + timedelta(hours=args.hours * factor)
+            done.append(run_child(topic, start, end, f"bench_mem{factor}"))
+    results = [
+        (f"{f}x", {k: statistics.median(r[k] for r in rs) for k in rs[0]}) for f, rs in runs.items()
+    ]
+    print()
+    print(
+        f"Driver peak RSS (VmHWM), a fresh process per range, median of {args.mem_repeat} "
+        "(seconds include start-up):"
+    )
+    print(
+        f"  {'range':<6} {'records':>9} {'seconds':>8} {'python MiB':>11} {'JVM MiB':>9} "
+        f"{'sum MiB':>9} {'JVM old gen peak MiB':>21}"
+    )
+    for label, m in results:
+        py, jv = m["python_kib"] / 1024, m["jvm_kib"] / 1024
+        print(
+            f"  {label:<6} {int(m['records']):>9,} {m['seconds']:>8.1f} {py:>11.0f} {jv:>9.0f} "
+            f"{py + jv:>9.0f} {m['jvm_old_gen_peak_mib']:>21.0f}"
+        )
+    (_, small), (big, large) = results[0], results[-1]
+    for what, key in (("python", "python_kib"), ("JVM   ", "jvm_kib")):
+        print(f"  {what} {big}/1x: {large[key] / small[key]:.2f}x")
+    total = (large["python_kib"] + large["jvm_kib"]) / (small["python_kib"] + small["jvm_kib"])
+    print(
+        f"  sum    {big}/1x: {total:.2f}x  (goal <= {MEMORY_GOAL}x: {goal(total <= MEMORY_GOAL)})"
+    )
+
+
+def goal(met: bool) -> str:
+    return "goal met" if met else "GOAL NOT MET"
+
+
+if __name__ == "__main__":
+    main()
