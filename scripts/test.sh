@@ -15,7 +15,10 @@ echo "== dagster definitions validate"; .venv/bin/dagster definitions validate -
 # always the summary of a pytest run that executed tests.
 tiers=""
 for tier in ${BACKFILL_TEST_TIERS:-}; do
-  if .venv/bin/python -m pytest -q --collect-only -m "$tier" 2>/dev/null | grep -q "::"; then
+  # Collect into a variable first: piping into `grep -q` under pipefail fails at random when
+  # grep exits before pytest has finished writing (SIGPIPE), which hid a whole tier once.
+  collected=$(.venv/bin/python -m pytest -q --collect-only -m "$tier" 2>/dev/null || true)
+  if grep -q "::" <<<"$collected"; then
     tiers="$tiers $tier"
   else
     echo "== pytest (-m $tier): no tests carry this marker yet"
