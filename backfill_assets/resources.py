@@ -59,8 +59,38 @@ class KafkaResource(dg.ConfigurableResource):  # type: ignore[type-arg]
             "group.id": "backfill-assets-offsets-lookup",
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,
+            # Committed reads: ListOffsets answers only below the last stable offset, and
+            # records of aborted transactions are never returned.
+            "isolation.level": "read_committed",
         }
         return Consumer(conf)
+
+    def log_ends(self, topic: str) -> dict[int, tuple[int, int, int]]:
+        """Per partition, (log start offset, last stable offset, high watermark).
+
+        The last stable offset (LSO) is below the high watermark while a transaction is open:
+        a committed reader cannot see past it, so nothing at or after it can be sealed.
+        """
+        from confluent_kafka import IsolationLevel
+        from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
+
+        parts = self.partitions(topic)
+        admin = self.admin()
+        out: dict[int, list[int]] = {p: [0, 0, 0] for p in parts}
+        earliest, latest = OffsetSpec.earliest(), OffsetSpec.latest()  # type: ignore[no-untyped-call]
+        for slot, spec, level in (
+            (0, earliest, IsolationLevel.READ_COMMITTED),
+            (1, latest, IsolationLevel.READ_COMMITTED),
+            (2, latest, IsolationLevel.READ_UNCOMMITTED),
+        ):
+            futures = admin.list_offsets(
+                {TopicPartition(topic, p): spec for p in parts},
+                isolation_level=level,
+                request_timeout=self.request_timeout_s,
+            )
+            for tp, future in futures.items():
+                out[tp.partition][slot] = int(future.result().offset)
+        return {p: (v[0], v[1], v[2]) for p, v in out.items()}
 
     def partitions(self, topic: str) -> list[int]:
         """The topic's partitions. Every offset look-up starts here, so this is where a broker

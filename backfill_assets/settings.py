@@ -55,7 +55,11 @@ class KafkaSettings:
 
     def spark_options(self) -> dict[str, str]:
         """Options for Spark's Kafka source (``kafka.``-prefixed Java client settings)."""
-        opts = {"kafka.bootstrap.servers": self.bootstrap_servers}
+        # Committed reads only: records of aborted transactions must never reach a table.
+        opts = {
+            "kafka.bootstrap.servers": self.bootstrap_servers,
+            "kafka.isolation.level": "read_committed",
+        }
         if self.security_protocol != "PLAINTEXT":
             opts["kafka.security.protocol"] = self.security_protocol
         if self.sasl_mechanism:
@@ -128,6 +132,11 @@ class Settings:
     webserver_port: int
     sensors_running: bool = True
     replay_max_records_per_s: int = 0  # 0: no throttle
+    # A partition with no committed record at or after an hour's end seals that hour at its
+    # last stable offset only when no transaction is open and the hour ended this long ago.
+    seal_grace_s: int = 300
+    # How often a publish whose main moved (disjoint windows published meanwhile) rebases.
+    publish_attempts: int = 5
     fault_point: str | None = None  # test-only: see backfill_assets.faults
 
     @property
@@ -214,6 +223,8 @@ class Settings:
             replay_max_records_per_s=_int(
                 env, "BACKFILL_REPLAY_MAX_RECORDS_PER_S", 0, zero_ok=True
             ),
+            seal_grace_s=_int(env, "BACKFILL_SEAL_GRACE_S", 300, zero_ok=True),
+            publish_attempts=_int(env, "BACKFILL_PUBLISH_ATTEMPTS", 5),
             fault_point=_fault_point(env),
         )
 

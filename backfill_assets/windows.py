@@ -1,0 +1,504 @@
+"""Offset-owned Kafka-time windows, and the independent reading of Kafka the checks use.
+
+Hour H of a topic is, per partition, a fixed offset range ``[start, end)``. The rule:
+
+* **Chained.** H starts exactly where H-1 ended: when H-1 is published, its end offsets (from
+  the ledger) are H's start; when H+1 is published, its start offsets are H's end. A partition
+  missing from a published H-1 did not exist when H-1 was sealed: it starts at offset 0 in H.
+* **Boundaries.** Where no published neighbour fixes it, the boundary for time T is the offset
+  of the first *committed* record at or after the previous boundary whose Kafka timestamp is
+  >= T (Kafka's ListOffsets-by-timestamp rule, applied to committed data records only: the
+  broker's own answer is used as a starting hint, since it may point at a transaction marker,
+  which carries the broker's wall-clock time).
+* **Sealed.** A boundary exists only when such a record is below the last stable offset (LSO).
+  A partition without one is *idle* if no transaction is open (LSO == high watermark) and T
+  ended at least ``seal_grace_s`` ago: the boundary is then the LSO. Otherwise the hour is not
+  sealed and :class:`WindowNotSealed` says which partition holds it back; nothing is guessed.
+* **Timestamps are data.** A record belongs to the window whose offset range holds it, whatever
+  its own timestamp (producers' clocks differ; CreateTime is not monotonic in a partition).
+
+:func:`scan` finds the boundaries by reading the range once with librdkafka (read_committed,
+``assign`` only: no consumer group is joined or committed), and on the way counts, per hour and
+partition, the committed records, their bytes and an order-independent hash of every record's
+partition, offset, key and value bytes. Those figures come from Kafka, not from Spark's read,
+so the checks can compare the table with them. Offsets below Kafka's log start offset are read
+from the archive the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from itertools import pairwise
+from typing import TYPE_CHECKING
+
+from backfill_assets.errors import BackfillError
+
+if TYPE_CHECKING:
+    from backfill_assets.archive import Archive
+    from backfill_assets.resources import KafkaResource
+
+HOUR = timedelta(hours=1)
+
+
+class WindowNotSealed(BackfillError):
+    """An hour of the requested range cannot be fixed to offsets yet; retry later."""
+
+
+class WindowError(BackfillError):
+    """The range cannot be mapped to offsets (missing history, a broken chain)."""
+
+
+def record_hash(partition: int, offset: int, key: bytes | None, value: bytes | None) -> int:
+    """A 60-bit hash of one record as Kafka holds it (Spark computes the same:
+    :func:`backfill_assets.replay.record_hash_expr`). Sums of it are order-independent."""
+    text = (
+        f"{partition}:{offset}:{hashlib.sha256(key or b'').hexdigest()}:"
+        f"{hashlib.sha256(value or b'').hexdigest()}:{1 if value is None else 0}"
+    )
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+
+
+@dataclass
+class Cell:
+    """One hour of one partition: its offsets and what Kafka holds there (committed only)."""
+
+    start: int
+    end: int
+    records: int = 0
+    size: int = 0
+    hash_sum: int = 0
+    first_offset: int | None = None
+    last_offset: int | None = None
+
+    def add(self, offset: int, key: bytes | None, value: bytes | None, partition: int) -> None:
+        self.records += 1
+        self.size += len(key or b"") + len(value or b"")
+        self.hash_sum += record_hash(partition, offset, key, value)
+        if self.first_offset is None:
+            self.first_offset = offset
+        self.last_offset = offset
+
+
+@dataclass
+class Windows:
+    """The offset windows of consecutive hours ``[start, end)`` of one topic, with Kafka's
+    figures for each (hour, partition)."""
+
+    topic: str
+    start: datetime
+    end: datetime
+    cells: dict[datetime, dict[int, Cell]]
+    # Per partition, Kafka's log start offset: offsets below it were read from the archive.
+    kafka_start: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def hours(self) -> list[datetime]:
+        return sorted(self.cells)
+
+    @property
+    def ranges(self) -> dict[int, tuple[int, int]]:
+        """Per partition, the whole range's offsets (the hours are contiguous)."""
+        out: dict[int, tuple[int, int]] = {}
+        for hour in self.hours:
+            for p, c in self.cells[hour].items():
+                s, e = out.get(p, (c.start, c.end))
+                out[p] = (min(s, c.start), max(e, c.end))
+        return out
+
+    @property
+    def records(self) -> int:
+        return sum(c.records for cells in self.cells.values() for c in cells.values())
+
+    @property
+    def offsets(self) -> int:
+        return sum(e - s for s, e in self.ranges.values())
+
+    def hour_figures(self) -> dict[str, dict[str, int]]:
+        """Per hour (ISO, UTC): committed records, bytes and hash sum over all partitions."""
+        out = {}
+        for hour in self.hours:
+            cells = self.cells[hour].values()
+            out[hour.isoformat()] = {
+                "records": sum(c.records for c in cells),
+                "bytes": sum(c.size for c in cells),
+                "hash_sum": sum(c.hash_sum for c in cells),
+            }
+        return out
+
+    def bounds_json(self) -> str:
+        """The chain, compactly: per partition the boundary offsets of consecutive hours."""
+        hours = self.hours
+        bounds: dict[str, list[int]] = {}
+        for p in sorted({p for cells in self.cells.values() for p in cells}):
+            seq: list[int] = []
+            for hour in hours:
+                cell = self.cells[hour].get(p)
+                if cell is None:
+                    continue
+                if not seq:
+                    seq.append(cell.start)
+                seq.append(cell.end)
+            bounds[str(p)] = seq
+        first = hours[0].isoformat() if hours else self.start.isoformat()
+        return json.dumps({"first": first, "hours": len(hours), "bounds": bounds}, sort_keys=True)
+
+    def hour_offsets(self, hour: datetime) -> dict[int, tuple[int, int]]:
+        return {p: (c.start, c.end) for p, c in self.cells[hour].items()}
+
+
+def parse_bounds(text: str) -> dict[datetime, dict[int, tuple[int, int]]]:
+    """Inverse of :meth:`Windows.bounds_json`: hour -> partition -> (start, end)."""
+    doc = json.loads(text)
+    first = datetime.fromisoformat(doc["first"])
+    out: dict[datetime, dict[int, tuple[int, int]]] = {}
+    for p_text, seq in doc["bounds"].items():
+        # A partition that joined later has a shorter chain that ends with the others.
+        offset = doc["hours"] - (len(seq) - 1)
+        for i in range(len(seq) - 1):
+            hour = first + (offset + i) * HOUR
+            out.setdefault(hour, {})[int(p_text)] = (int(seq[i]), int(seq[i + 1]))
+    return out
+
+
+def hours_between(start: datetime, end: datetime) -> list[datetime]:
+    out, hour = [], start
+    while hour < end:
+        out.append(hour)
+        hour += HOUR
+    return out
+
+
+@dataclass
+class _Cursor:
+    """The scan's state for one partition."""
+
+    partition: int
+    bounds: list[datetime]  # bounds[i] is hour i's start; bounds[-1] the range's end
+    fixed: dict[int, int]  # bound index -> offset known from the ledger
+    found: dict[int, int] = field(default_factory=dict)
+    index: int = -1  # the hour being filled; -1 before the first boundary
+    position: int = 0  # next offset to read
+
+    def bound(self, i: int) -> int | None:
+        return self.fixed.get(i, self.found.get(i))
+
+    @property
+    def done(self) -> bool:
+        last = len(self.bounds) - 1
+        end = self.bound(last)
+        return end is not None and self.position >= end
+
+    def feed(
+        self,
+        offset: int,
+        ts_ms: int,
+        key: bytes | None,
+        value: bytes | None,
+        cells: list[Cell | None],
+    ) -> None:
+        """Attribute one committed record (in offset order) and find the boundaries it makes."""
+        self.position = offset + 1
+        last = len(self.bounds) - 1
+        # Move past every boundary this record is at or beyond.
+        while self.index < last:
+            nxt = self.index + 1
+            known = self.bound(nxt)
+            if known is not None:
+                if offset < known:
+                    break
+            elif ts_ms >= _ms(self.bounds[nxt]):
+                self.found[nxt] = offset
+            else:
+                break
+            self.index = nxt
+        if 0 <= self.index < last:
+            cell = cells[self.index]
+            if cell is None:
+                start = self.bound(self.index)
+                assert start is not None
+                cell = cells[self.index] = Cell(start, start)
+            cell.add(offset, key, value, self.partition)
+
+
+def scan(
+    kafka: KafkaResource,
+    topic: str,
+    start: datetime,
+    end: datetime,
+    *,
+    published: Mapping[datetime, Mapping[int, tuple[int, int]]] | None = None,
+    archive: Archive | None = None,
+    seal_grace: timedelta = timedelta(minutes=5),
+    now: datetime | None = None,
+    timeout_s: float = 60.0,
+) -> Windows:
+    """The windows of hours ``[start, end)`` of ``topic`` and Kafka's figures for each.
+
+    ``published`` holds the offsets of already published hours of the topic (the ledger):
+    the hours inside the range and its two neighbours fix boundaries. Reads every committed
+    record of the range once (plus, for a first window, from the broker's ListOffsets hint to
+    the first boundary). Raises :class:`WindowNotSealed` or :class:`WindowError` naming the
+    partition, hour and offsets, and never returns a guess.
+    """
+    now = now or datetime.now(UTC)
+    if end > now:
+        raise WindowNotSealed(
+            f"topic {topic!r}: hour {(end - HOUR).isoformat()} has not ended yet (now "
+            f"{now.isoformat(timespec='seconds')}); backfill only hours that have ended"
+        )
+    published = published or {}
+    bounds = [*hours_between(start, end), end]
+    ends = kafka.log_ends(topic)
+    parts = sorted(ends)
+    cursors: dict[int, _Cursor] = {}
+    for p in parts:
+        fixed: dict[int, int] = {}
+        for i, t in enumerate(bounds):
+            here = published.get(t, {})
+            before = published.get(t - HOUR, {})
+            if p in here:
+                fixed[i] = here[p][0]
+            elif p in before:
+                fixed[i] = before[p][1]
+            elif before and p not in before and i == 0:
+                fixed[i] = 0  # created after the previous hour was sealed
+        cursors[p] = _Cursor(p, bounds, fixed)
+    cells: dict[int, list[Cell | None]] = {p: [None] * (len(bounds) - 1) for p in parts}
+
+    # Where reading starts: the fixed first boundary, or the broker's hint for it.
+    hints = _hints(kafka, topic, [p for p in parts if 0 not in cursors[p].fixed], bounds[0])
+    for p in parts:
+        low, lso, _hw = ends[p]
+        cur = cursors[p]
+        if 0 in cur.fixed:
+            cur.position, cur.index = cur.fixed[0], 0
+        else:
+            hint = hints.get(p, -1)
+            cur.position = hint if hint >= 0 else lso
+            if low > 0 and cur.position <= low and archive is not None:
+                # Kafka no longer holds what precedes its log start: apply the same rule to
+                # the archive (committed records only, by the archiver's contract).
+                found = archive.first_offset_at(topic, p, _ms(bounds[0]), below=low)
+                if found is not None:
+                    cur.position = found
+        _require_history(topic, p, cur.position, low, archive, start)
+    # Archived part first (offsets below the log start), then Kafka, each in offset order.
+    for p in parts:
+        low = ends[p][0]
+        cur = cursors[p]
+        if cur.position < low and archive is not None:
+            for offset, ts_ms, key, value in _archived(archive, topic, p, cur.position, low):
+                cur.feed(offset, ts_ms, key, value, cells[p])
+                if cur.done:
+                    break
+            if not cur.done:
+                cur.position = max(cur.position, low)
+    _read_kafka(kafka, topic, cursors, cells, ends, timeout_s)
+
+    # Partitions that reached the LSO without a record for the remaining boundaries.
+    grace_ok = [now - b >= seal_grace for b in bounds]
+    final = kafka.log_ends(topic)
+    for p in parts:
+        cur = cursors[p]
+        last = len(bounds) - 1
+        for i in range(last + 1):
+            if cur.bound(i) is not None:
+                continue
+            _low, lso, hw = final[p]
+            if cur.position < lso:
+                raise WindowNotSealed(
+                    f"topic {topic!r} partition {p}: new records arrived while reading; "
+                    "retry the run"
+                )
+            if lso != hw:
+                raise WindowNotSealed(
+                    f"topic {topic!r} partition {p}: hour {bounds[max(i - 1, 0)].isoformat()} is "
+                    f"not sealed: no committed record at or after {bounds[i].isoformat()} yet, "
+                    f"and a transaction is open (last stable offset {lso} < high watermark "
+                    f"{hw}). The run wrote nothing; retry after the transaction ends."
+                )
+            if not grace_ok[i]:
+                raise WindowNotSealed(
+                    f"topic {topic!r} partition {p}: hour {bounds[max(i - 1, 0)].isoformat()} is "
+                    f"not sealed: no committed record at or after {bounds[i].isoformat()} yet "
+                    f"(partition ends at offset {lso}); it seals when one arrives, or "
+                    f"{int(seal_grace.total_seconds())} s after the hour ends if the partition "
+                    "stays idle (BACKFILL_SEAL_GRACE_S). The run wrote nothing; retry later."
+                )
+            cur.found[i] = lso
+    out: dict[datetime, dict[int, Cell]] = {}
+    for i, hour in enumerate(bounds[:-1]):
+        row: dict[int, Cell] = {}
+        for p in parts:
+            s, e = cursors[p].bound(i), cursors[p].bound(i + 1)
+            assert s is not None and e is not None
+            cell = cells[p][i] or Cell(s, e)
+            cell.start, cell.end = s, max(s, e)
+            row[p] = cell
+        out[hour] = row
+    _check_chain(topic, out, published)
+    return Windows(topic, start, end, out, {p: ends[p][0] for p in parts if ends[p][0] > 0})
+
+
+def _read_kafka(
+    kafka: KafkaResource,
+    topic: str,
+    cursors: dict[int, _Cursor],
+    cells: dict[int, list[Cell | None]],
+    ends: dict[int, tuple[int, int, int]],
+    timeout_s: float,
+) -> None:
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+    todo = {p for p, c in cursors.items() if not c.done and c.position < ends[p][1]}
+    if not todo:
+        return
+    consumer = Consumer(
+        {
+            **kafka.settings.kafka.client_config(),
+            # Required by librdkafka; never joined (assign, not subscribe) or committed.
+            "group.id": "backfill-assets-window-scan",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "enable.partition.eof": True,
+            "isolation.level": "read_committed",
+        }
+    )
+    try:
+        consumer.assign([TopicPartition(topic, p, cursors[p].position) for p in sorted(todo)])
+        idle_since = time.monotonic()
+        while todo:
+            msgs = consumer.consume(num_messages=10_000, timeout=1.0)
+            if not msgs:
+                if time.monotonic() - idle_since > timeout_s:
+                    raise WindowError(
+                        f"topic {topic!r}: no answer from "
+                        f"{kafka.settings.kafka.bootstrap_servers} for {timeout_s:.0f} s while "
+                        f"reading partitions {sorted(todo)} (positions "
+                        f"{ {p: cursors[p].position for p in sorted(todo)} }); retry the run"
+                    )
+                continue
+            idle_since = time.monotonic()
+            finished = set()
+            for msg in msgs:
+                p = msg.partition()
+                assert p is not None
+                if p not in todo:
+                    continue
+                err = msg.error()
+                cur = cursors[p]
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        cur.position = max(cur.position, int(msg.offset() or 0))
+                        finished.add(p)
+                        continue
+                    raise WindowError(
+                        f"topic {topic!r} partition {p}: Kafka error at offset "
+                        f"{cur.position}: {err.str()}"
+                    )
+                offset = msg.offset()
+                assert offset is not None
+                _ts_type, ts_ms = msg.timestamp()
+                cur.feed(offset, ts_ms, msg.key(), msg.value(), cells[p])
+                if cur.done:
+                    finished.add(p)
+            for p in finished:
+                todo.discard(p)
+                consumer.incremental_unassign([TopicPartition(topic, p)])
+    finally:
+        consumer.close()
+
+
+def _hints(kafka: KafkaResource, topic: str, parts: list[int], at: datetime) -> dict[int, int]:
+    """The broker's ListOffsets answer for ``at`` (read_committed): a lower bound of the first
+    committed record at or after it (-1 where none is below the LSO)."""
+    if not parts:
+        return {}
+    from confluent_kafka import TopicPartition
+
+    consumer = kafka.offsets_consumer()
+    try:
+        found = consumer.offsets_for_times(
+            [TopicPartition(topic, p, _ms(at)) for p in parts], timeout=kafka.request_timeout_s
+        )
+        return {tp.partition: int(tp.offset) for tp in found}
+    finally:
+        consumer.close()
+
+
+def _require_history(
+    topic: str, partition: int, position: int, low: int, archive: Archive | None, start: datetime
+) -> None:
+    """Refuse a window that may include offsets neither Kafka nor the archive holds: below
+    the log start, a hole in the archive right before ``position`` (its records' timestamps
+    are unknown, so the window may begin inside it) or between ``position`` and ``low``."""
+    if low == 0 or position > low:
+        return
+    covered = archive.coverage(topic, partition) if archive is not None else []
+    need_from = position if position < low else max(low - 1, 0)
+    if any(s <= need_from and low <= e for s, e in covered):
+        return
+    where = archive.uri if archive is not None else "(no archive)"
+    raise WindowError(
+        f"topic {topic!r} partition {partition}: the window of {start.isoformat()} may include "
+        f"offsets [{need_from}, {low}), which are neither in Kafka (log start offset {low}) "
+        f"nor in the archive at {where}. Nothing was written or published. If they were "
+        "archived elsewhere, point BACKFILL_ARCHIVE_URI there; otherwise they are gone: "
+        f"`backfill-assets plan --topic {topic} --start ... --end ...` shows a complete range."
+    )
+
+
+def _archived(
+    archive: Archive, topic: str, partition: int, start: int, end: int
+) -> Iterator[tuple[int, int, bytes | None, bytes | None]]:
+    table = archive.read_records(topic, partition, start, end)
+    offsets = table.column("offset").to_pylist()
+    stamps = table.column("timestamp").cast("int64").to_pylist()
+    keys = table.column("key").to_pylist()
+    values = table.column("value").to_pylist()
+    yield from zip(offsets, stamps, keys, values, strict=True)
+
+
+def _check_chain(
+    topic: str,
+    cells: Mapping[datetime, Mapping[int, Cell]],
+    published: Mapping[datetime, Mapping[int, tuple[int, int]]],
+) -> None:
+    """Every hour starts where the previous ended, and agrees with published neighbours."""
+    hours = sorted(cells)
+    for prev, hour in pairwise(hours):
+        for p, cell in cells[hour].items():
+            if p in cells[prev] and cells[prev][p].end != cell.start:
+                raise WindowError(
+                    f"topic {topic!r} partition {p}: hour {hour.isoformat()} starts at "
+                    f"{cell.start} but {prev.isoformat()} ends at {cells[prev][p].end}"
+                )
+    for hour in hours:
+        mine = {p: (c.start, c.end) for p, c in cells[hour].items()}
+        theirs = published.get(hour)
+        if theirs is not None and any(mine.get(p, v) != v for p, v in theirs.items()):
+            raise WindowError(
+                f"topic {topic!r}: hour {hour.isoformat()} maps to offsets {mine}, but its "
+                f"published window is {dict(theirs)}; the chain of published windows is broken "
+                "(see `backfill-assets audit`)"
+            )
+
+
+def _ms(moment: datetime) -> int:
+    if moment.tzinfo is None:
+        raise ValueError(f"{moment!r} has no time zone; pass aware UTC datetimes")
+    return int(moment.timestamp() * 1000)
+
+
+def as_spark_rows(windows: Windows) -> Iterable[tuple[int, int, int, int]]:
+    """(partition, start, end, hour as epoch millis) for every non-empty cell, for the join
+    that gives each row its window hour."""
+    for hour, cells in windows.cells.items():
+        for p, c in cells.items():
+            if c.end > c.start:
+                yield p, c.start, c.end, _ms(hour)
