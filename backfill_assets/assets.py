@@ -2,7 +2,7 @@
 materialization written on a run branch, audited by blocking checks, then published."""
 
 import json
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
@@ -10,11 +10,12 @@ from typing import Any
 import dagster as dg
 from dagster import AssetExecutionContext
 
-from backfill_assets import audit, checks, derived, replay, wap
+from backfill_assets import audit, checks, derived, ledger, replay, wap
 from backfill_assets.faults import failpoint
 from backfill_assets.partitions import kafka_hours
 from backfill_assets.resources import IcebergResource, KafkaResource, SparkResource
 from backfill_assets.spec import TopicSpec
+from backfill_assets.windows import hours_between
 
 # One run covers up to a week of hourly partitions: a 30-day backfill starts 5 runs (5 Spark
 # sessions and 5 branches), not 720. A week is also the retry unit: a failed run re-reads at
@@ -36,7 +37,13 @@ def current_asset_key(spec: TopicSpec) -> dg.AssetKey:
 
 
 def _check_specs(key: dg.AssetKey, names: Sequence[str]) -> list[dg.AssetCheckSpec]:
-    return [dg.AssetCheckSpec(name, asset=key, blocking=True) for name in names]
+    return [
+        dg.AssetCheckSpec(name, asset=key, blocking=True, description=checks.DESCRIPTIONS.get(name))
+        for name in names
+    ]
+
+
+Rebase = Callable[[int], tuple[wap.Branch, list[checks.CheckOutcome]]]
 
 
 def _audit_and_publish(
@@ -48,20 +55,20 @@ def _audit_and_publish(
     results: list[checks.CheckOutcome],
     summary: dict[str, str],
     figures: dict[str, Any],
+    rebase: Rebase,
+    ledger_offsets: dict[datetime, dict[int, tuple[int, int]]] | None = None,
+    ledger_records: dict[datetime, int] | None = None,
 ) -> Generator[dg.AssetCheckResult, None, int]:
-    """Yield every check result; publish only if all passed, else fail naming the figures.
+    """Publish only if every check passed, else fail naming the figures; yield the results.
 
-    Every outcome (published, checks failed, publish refused) is appended to the audit table.
-    Returns the snapshot id main was moved to.
+    When main moved under the run through publishes of disjoint windows, ``rebase(attempt)``
+    re-applies the run's rows on a new branch from main and re-runs the checks, up to
+    ``BACKFILL_PUBLISH_ATTEMPTS`` times; an overlapping publish is refused, naming its run.
+    Every outcome is appended to the audit table; a publish also to the ledger (its hours and
+    offsets), after the fast-forward (the snapshot summary holds the same, for
+    :func:`backfill_assets.ledger.sync_from_history`). Returns main's new snapshot id.
     """
     window = context.partition_time_window
-    for result in results:
-        yield dg.AssetCheckResult(
-            check_name=result.name,
-            passed=result.passed,
-            description=result.summary,
-            metadata=_meta(result.metadata),
-        )
     tags = dict(context.run.tags)
     record = {
         "table_name": table,
@@ -72,10 +79,45 @@ def _audit_and_publish(
         "window_end": window.end,
         "offsets": summary.get("offsets"),
         "snapshot_before": branch.main_before,
-        "checks": audit.checks_json({r.name: r.passed for r in results}),
         "started_at": figures.pop("started_at", None),
         **figures,
     }
+    attempts = iceberg.settings.publish_attempts
+    snapshot: int | None = None
+    error: BaseException | None = None
+    for attempt in range(attempts):
+        record["checks"] = audit.checks_json({r.name: r.passed for r in results})
+        failed = [r for r in results if not r.passed]
+        if failed:
+            break
+        audit_summary = {
+            **summary,
+            "checks": json.dumps({r.name: "passed" for r in results}, sort_keys=True),
+        }
+        failpoint("checks_passed")
+        try:
+            snapshot = wap.publish(session, branch, audit_summary, (window.start, window.end))
+            break
+        except wap.MainMoved as exc:
+            if attempt + 1 >= attempts:
+                error = wap.PublishError(
+                    f"{exc}; gave up after {attempts} attempts (BACKFILL_PUBLISH_ATTEMPTS). "
+                    f"Nothing was published; re-run the backfill."
+                )
+                break
+            context.log.info(f"{exc} (attempt {attempt + 2} of {attempts})")
+            branch, results = rebase(attempt + 1)
+            record["snapshot_before"] = branch.main_before
+        except wap.PublishError as exc:
+            error = exc
+            break
+    for result in results:
+        yield dg.AssetCheckResult(
+            check_name=result.name,
+            passed=result.passed,
+            description=result.summary,
+            metadata=_meta(result.metadata),
+        )
     failed = [r for r in results if not r.passed]
     if failed:
         detail = "; ".join(f"{r.name}: {r.summary}" for r in failed)
@@ -90,25 +132,30 @@ def _audit_and_publish(
                 metadata={"branch": branch.name, "failed_checks": [r.name for r in failed]},
             )
         )
-    audit_summary = {
-        **summary,
-        "checks": json.dumps({r.name: "passed" for r in results}, sort_keys=True),
-    }
-    failpoint("checks_passed")
-    try:
-        snapshot = wap.publish(session, branch, audit_summary)
-    except wap.PublishError as exc:
-        _record(iceberg, "publish_refused", "failed", record, detail=str(exc))
-        raise _audited(exc) from None
+    if error is not None or snapshot is None:
+        _record(iceberg, "publish_refused", "failed", record, detail=str(error))
+        raise _audited(error or wap.PublishError("nothing was published")) from None
     _record(iceberg, "publish", "succeeded", {**record, "snapshot_after": snapshot})
-    try:  # a run killed after its fast-forward left a publish without a row: add it
+    cat = iceberg.catalog()
+    namespace = iceberg.settings.catalog.namespace
+    ident = table.split(".", 1)[1]
+    seq = cat.load_table(ident).metadata.snapshot_by_id(snapshot)
+    ledger.record_publish(
+        cat,
+        namespace,
+        table,
+        run_id=context.run.run_id,
+        snapshot_id=snapshot,
+        sequence_number=int(seq.sequence_number or 0) if seq is not None else 0,
+        hours=hours_between(window.start, window.end),
+        offsets=ledger_offsets,
+        records=ledger_records,
+    )
+    try:  # a run killed after its fast-forward left a publish without rows: add them
         late = audit.record_unaudited_publishes(
-            iceberg.catalog(),
-            iceberg.settings.catalog.namespace,
-            table,
-            since=branch.main_before,
-            recorded_by=context.run.run_id,
+            cat, namespace, table, since=branch.main_before, recorded_by=context.run.run_id
         )
+        late += ledger.sync_from_history(cat, namespace, table)
         if late:
             context.log.warning(f"recorded unaudited publishes of runs {late} on {table}")
     except Exception as exc:  # main is published; a gap in the audit must not fail the run
@@ -225,6 +272,13 @@ def _replay_raw(
         **replay.audit_summary(outcome.contract, outcome.run_id),
         "checksum": outcome.checksum,
     }
+    assert outcome.contract.windows is not None
+    windows = outcome.contract.windows
+
+    def rebase(attempt: int) -> tuple[wap.Branch, list[checks.CheckOutcome]]:
+        outcome.branch = replay.reapply(session, outcome, attempt)
+        return outcome.branch, checks.run_checks(session, spec, outcome)
+
     snapshot = yield from _audit_and_publish(
         context,
         iceberg,
@@ -238,14 +292,21 @@ def _replay_raw(
             "records_read": outcome.records_read,
             "rows_written": outcome.rows_written,
         },
+        rebase,
+        ledger_offsets={h: windows.hour_offsets(h) for h in windows.hours},
+        ledger_records={
+            h: sum(c.records for c in windows.cells[h].values()) for h in windows.hours
+        },
     )
     rate = outcome.records_read / outcome.duration_s if outcome.duration_s else 0.0
     yield dg.MaterializeResult(
         metadata={
             "records_read": outcome.records_read,
             "rows_written": outcome.rows_written,
-            "duplicates": outcome.duplicates,
             "quarantined": outcome.quarantined,
+            "resent_event_ids": outcome.resent,
+            "conflicting_event_ids": outcome.conflicting_ids,
+            "per_hour": dg.MetadataValue.json(outcome.per_hour),
             "offsets": dg.MetadataValue.json(
                 {str(p): list(r) for p, r in outcome.contract.ranges.items()}
             ),
@@ -335,15 +396,31 @@ def _derive_body(
     started = datetime.now(UTC)
     session = spark.spark_session
     build = derived.build_hourly if kind == "hourly" else derived.build_current
-    outcome = build(
-        session,
-        spec,
-        iceberg.spark_name(spec.raw_table),
-        table,
-        window.start,
-        window.end,
-        context.run.run_id,
-    )
+
+    def run(attempt: int) -> derived.DerivedOutcome:
+        return build(
+            session,
+            spec,
+            iceberg.spark_name(spec.raw_table),
+            table,
+            window.start,
+            window.end,
+            context.run.run_id,
+            attempt,
+        )
+
+    outcome = run(0)
+
+    def rebase(attempt: int) -> tuple[wap.Branch, list[checks.CheckOutcome]]:
+        again = run(attempt)
+        session.sql(f"ALTER TABLE {table} DROP BRANCH IF EXISTS `{outcome.branch.name}`")
+        outcome.branch, outcome.checks, outcome.metadata = (
+            again.branch,
+            again.checks,
+            again.metadata,
+        )
+        return again.branch, again.checks
+
     summary = {
         "run-id": context.run.run_id,
         "window": f"{window.start.isoformat()}/{window.end.isoformat()}",
@@ -358,6 +435,7 @@ def _derive_body(
         outcome.checks,
         summary,
         {"started_at": started},
+        rebase,
     )
     yield dg.MaterializeResult(metadata={**_meta(outcome.metadata), "snapshot_id": str(snapshot)})
 

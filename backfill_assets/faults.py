@@ -15,6 +15,12 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 # In the order a raw run reaches them.
 POINTS = (
@@ -41,3 +47,28 @@ def failpoint(name: str) -> None:
     if os.getpgrp() == os.getpid():
         os.killpg(os.getpgrp(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+# Test-only: mutations applied to what a run just wrote, before its checks read it. The
+# mutation tests register one (in-process) to prove each check blocks the fault it exists to
+# catch. Nothing registers one outside tests.
+BranchMutation = Callable[["SparkSession", str, str, Any], None]
+_BRANCH_MUTATIONS: list[BranchMutation] = []
+
+
+def after_branch_write(
+    spark: SparkSession, branch: str, quarantine_table: str, contract: Any
+) -> None:
+    """Apply the registered test mutations to ``branch`` (a Spark identifier); else nothing."""
+    for mutate in list(_BRANCH_MUTATIONS):
+        mutate(spark, branch, quarantine_table, contract)
+
+
+@contextmanager
+def branch_mutation(mutate: BranchMutation) -> Iterator[None]:
+    """Register ``mutate`` for the runs started inside the ``with`` block (test-only)."""
+    _BRANCH_MUTATIONS.append(mutate)
+    try:
+        yield
+    finally:
+        _BRANCH_MUTATIONS.remove(mutate)

@@ -2,16 +2,21 @@
 
 Steps, and what is atomic:
 
-1. **Contract**: the window ``[start, end)`` becomes per-partition ``[start_offset,
-   end_offset)`` through ListOffsets-by-timestamp. No consumer group is joined or committed.
-2. **Read**: Spark's Kafka batch source reads exactly those offsets in executors.
+1. **Contract**: the window ``[start, end)`` becomes, per hour and partition, a fixed offset
+   range (:mod:`backfill_assets.windows`: chained on the ledger's published windows, sealed only
+   when Kafka can no longer add to it). The same librdkafka pass counts and hashes what Kafka
+   holds there, for the checks. No consumer group is joined or committed.
+2. **Read**: Spark's Kafka batch source reads exactly those offsets, committed records only,
+   in executors; every record is tagged with the hour whose range holds it (``kafka_hour``),
+   whatever its own timestamp, and with a hash of its Kafka bytes (``record_hash``).
 3. **Parse**: payloads are parsed to VARIANT and upcast per schema version; a record that fails
    (invalid JSON, unknown version, a contract column NULL or out of range) is quarantined with
-   its offsets, raw bytes and reason. Events repeated by producer retries are dropped (lowest
-   offset wins). Tombstones stay as rows with ``is_tombstone``.
-4. **Write**: quarantine rows overwrite the window in the quarantine table (one atomic commit,
-   kept even if the run fails, as evidence). Table rows overwrite the window on a branch unique
-   to the run (one atomic commit on the branch; main is not touched).
+   its offsets, raw bytes and reason. Nothing else is dropped: the raw table is the committed
+   log, one row per record (re-sends and corrections included; derived tables apply the
+   duplicates rule). Tombstones stay as rows with ``is_tombstone``.
+4. **Write**: quarantine rows overwrite the window's hours in the quarantine table (one atomic
+   commit, kept even if the run fails, as evidence). Table rows overwrite the window's hours on
+   a branch unique to the run (one atomic commit on the branch; main is not touched).
 5. **Audit**: the checks read the branch (see :mod:`backfill_assets.checks`).
 6. **Publish**: :func:`backfill_assets.wap.publish` (one catalog commit, or nothing).
 """
@@ -21,13 +26,15 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from backfill_assets import faults, ledger
 from backfill_assets.archive import Archive
 from backfill_assets.errors import BackfillError
 from backfill_assets.spec import TopicSpec
 from backfill_assets.wap import SUMMARY_PREFIX, Branch, open_branch
+from backfill_assets.windows import Windows, scan
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -48,6 +55,10 @@ KAFKA_COLUMNS = (
     ("kafka_partition", "int"),
     ("kafka_offset", "bigint"),
     ("kafka_timestamp", "timestamp"),
+    # The Kafka-time hour whose offset range the record was read for (the table's partition).
+    ("kafka_hour", "timestamp"),
+    # A hash of the record's partition, offset, key and value bytes as Kafka held them.
+    ("record_hash", "bigint"),
     ("kafka_key", "binary"),
     ("is_tombstone", "boolean"),
     ("schema_version", "int"),
@@ -106,6 +117,8 @@ class OffsetContract:
     kafka_start: dict[int, int] = field(default_factory=dict)
     # Offsets the window may include that are neither in Kafka nor in the archive.
     missing: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # The per-hour windows and Kafka's own figures for them (None for ad-hoc contracts).
+    windows: Windows | None = None
 
     @property
     def records(self) -> int:
@@ -146,17 +159,21 @@ class ReplayOutcome:
     contract: OffsetContract
     branch: Branch
     run_id: str
-    records_read: int
+    records_read: int  # committed records in the windows, counted by librdkafka
     rows_written: int
-    duplicates: int
     quarantined: int
-    checksum: str
+    checksum: str  # order-independent checksum of the rows' parsed content
     per_hour: dict[str, dict[str, int]]
+    quarantine_table: str
     quarantine_reasons: dict[str, int]
     bytes_read: int
     bytes_written: int
     files_written: int
     duration_s: float
+    # Event ids seen more than once in the window: identical re-sends, and ids whose copies
+    # differ (corrections). Both stay rows; derived tables apply the duplicates rule.
+    resent: int = 0
+    conflicting_ids: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -168,6 +185,8 @@ def audit_summary(contract: OffsetContract, run_id: str) -> dict[str, str]:
         "window": f"{contract.start.isoformat()}/{contract.end.isoformat()}",
         "offsets": contract.to_json(),
     }
+    if contract.windows is not None:
+        out["windows"] = contract.windows.bounds_json()
     if contract.archive_ranges:
         out["archive-offsets"] = json.dumps(
             {str(p): [s, e] for p, (s, e) in sorted(contract.archive_ranges.items())},
@@ -192,7 +211,7 @@ def table_ddl(spec: TopicSpec, spark_name: str) -> str:
     cols.append("ingest_run_id string")
     return (
         f"CREATE TABLE IF NOT EXISTS {spark_name} ({', '.join(cols)}) USING iceberg "
-        "PARTITIONED BY (hours(kafka_timestamp)) "
+        "PARTITIONED BY (hours(kafka_hour)) "
         "TBLPROPERTIES ('format-version'='2', 'write.wap.enabled'='true')"
     )
 
@@ -200,9 +219,10 @@ def table_ddl(spec: TopicSpec, spark_name: str) -> str:
 def quarantine_ddl(spark_name: str) -> str:
     return (
         f"CREATE TABLE IF NOT EXISTS {spark_name} (topic string, kafka_partition int, "
-        "kafka_offset bigint, kafka_timestamp timestamp, kafka_key binary, kafka_value binary, "
+        "kafka_offset bigint, kafka_timestamp timestamp, kafka_hour timestamp, "
+        "record_hash bigint, kafka_key binary, kafka_value binary, "
         "reason string, ingest_run_id string) USING iceberg "
-        "PARTITIONED BY (hours(kafka_timestamp)) TBLPROPERTIES ('format-version'='2')"
+        "PARTITIONED BY (hours(kafka_hour)) TBLPROPERTIES ('format-version'='2')"
     )
 
 
@@ -212,70 +232,21 @@ def offset_contract(
     start: datetime,
     end: datetime,
     archive: Archive | None = None,
+    *,
+    published: dict[datetime, dict[int, tuple[int, int]]] | None = None,
+    seal_grace: timedelta = timedelta(minutes=5),
 ) -> OffsetContract:
-    """Map a Kafka-time window to per-partition offsets via ListOffsets-by-timestamp.
+    """The exact offsets of hours ``[start, end)`` (see :func:`backfill_assets.windows.scan`),
+    chained on ``published`` (the ledger's windows of the topic's raw table).
 
-    Below a partition's log start offset (history Kafka no longer holds), the same rule (the
-    first offset whose timestamp is >= the bound) is applied to the archive. Offsets the
-    window may include that neither holds are listed in ``missing``; callers that read must
-    refuse such a contract (see :func:`require_complete`).
+    Offsets below a partition's log start offset come from the archive. Raises
+    :class:`~backfill_assets.windows.WindowNotSealed` or
+    :class:`~backfill_assets.windows.WindowError` rather than guess.
     """
-    if end > datetime.now(UTC):
-        raise ReplayError(
-            f"window {start.isoformat()}..{end.isoformat()} of topic {topic!r} has not closed "
-            "yet; backfill only hours that have ended"
-        )
-    start_ms, end_ms = int(start.timestamp() * 1000), int(end.timestamp() * 1000)
-    lo = kafka.offsets_for_times(topic, start_ms)
-    hi = kafka.offsets_for_times(topic, end_ms)
-    marks = kafka.watermarks(topic)
-    ranges: dict[int, tuple[int, int]] = {}
-    kafka_start: dict[int, int] = {}
-    missing: dict[int, tuple[int, int]] = {}
-    for p in sorted(lo):
-        low = marks.get(p, (0, 0))[0]
-        if low == 0:
-            ranges[p] = (lo[p], hi[p])
-            continue
-        kafka_start[p] = low
-        s = _resolve(archive, topic, p, start_ms, low, lo[p])
-        e = _resolve(archive, topic, p, end_ms, low, hi[p])
-        ranges[p] = (s, max(s, e))
-        covered = archive.coverage(topic, p) if archive is not None else []
-        gap = _unknown_in(covered, low, s, max(s, e))
-        if gap is not None:
-            missing[p] = gap
-    return OffsetContract(topic, start, end, ranges, kafka_start, missing)
-
-
-def _resolve(
-    archive: Archive | None, topic: str, partition: int, ts_ms: int, low: int, from_kafka: int
-) -> int:
-    if archive is not None:
-        found = archive.first_offset_at(topic, partition, ts_ms, below=low)
-        if found is not None:
-            return found
-    return from_kafka
-
-
-def _unknown_in(
-    covered: list[tuple[int, int]], low: int, start: int, end: int
-) -> tuple[int, int] | None:
-    """The first run of offsets below ``low`` that is not archived and either overlaps
-    ``[start, end)`` or ends exactly at ``start`` (its records' timestamps are unknown, so the
-    window may begin inside it)."""
-    pos = 0
-    holes = []
-    for s, e in covered:
-        if s > pos:
-            holes.append((pos, min(s, low)))
-        pos = max(pos, e)
-    if pos < low:
-        holes.append((pos, low))
-    for h0, h1 in holes:
-        if h0 < h1 and (h1 == start or (h0 < end and h1 > start)):
-            return (h0, h1)
-    return None
+    windows = scan(
+        kafka, topic, start, end, published=published, archive=archive, seal_grace=seal_grace
+    )
+    return OffsetContract(topic, start, end, windows.ranges, windows.kafka_start, {}, windows)
 
 
 def require_complete(contract: OffsetContract, archive_uri: str) -> None:
@@ -291,7 +262,7 @@ def require_complete(contract: OffsetContract, archive_uri: str) -> None:
         f": {gaps} are neither in Kafka nor in the archive at {archive_uri}, and the window may "
         "include them. Nothing was written or published. If these offsets were archived "
         "elsewhere, point BACKFILL_ARCHIVE_URI there; otherwise they are gone: see "
-        f"`backfill-assets plan --topic {contract.topic} --from ... --to ...` for a window "
+        f"`backfill-assets plan --topic {contract.topic} --start ... --end ...` for a window "
         "that is complete."
     )
 
@@ -407,8 +378,9 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
     """Split Kafka records into (table rows, quarantine rows), upcast to the latest schema;
     the third frame is the cached parse both are read from (the caller unpersists it last).
 
-    Duplicates are not removed here (see :func:`deduplicate`). The rule for every kind of bad
-    input, first match wins, is in :data:`QUARANTINE_RULES`; a tombstone (NULL value) is a row.
+    ``raw`` is the Kafka source's frame after :func:`attribute`. Nothing is deduplicated. The
+    rule for every kind of bad input, first match wins, is in :data:`QUARANTINE_RULES`; a
+    tombstone (NULL value) is a row.
     """
     from pyspark.sql import functions as F
 
@@ -427,6 +399,8 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
         F.col("partition").alias("kafka_partition"),
         F.col("offset").alias("kafka_offset"),
         F.col("timestamp").alias("kafka_timestamp"),
+        F.col("kafka_hour"),
+        F.col("record_hash"),
         F.col("key").alias("kafka_key"),
         F.col("value").alias("kafka_value"),
         F.col("value").isNull().alias("is_tombstone"),
@@ -498,6 +472,8 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
         "kafka_partition",
         "kafka_offset",
         "kafka_timestamp",
+        "kafka_hour",
+        "record_hash",
         "kafka_key",
         "kafka_value",
         F.col("_reason").alias("reason"),
@@ -507,17 +483,6 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
     rows = df.where(F.col("_reason").isNull()).select(*table_cols, "ingest_run_id")
     # Tombstones carry only the key; their payload columns stay NULL.
     return rows, quarantine, parsed
-
-
-def deduplicate(spec: TopicSpec, rows: DataFrame) -> DataFrame:
-    """Keep the lowest offset of every event id (producer retries repeat the same event)."""
-    from pyspark.sql import Window
-    from pyspark.sql import functions as F
-
-    order = Window.partitionBy(spec.event_id_field).orderBy("kafka_partition", "kafka_offset")
-    events = rows.where(~F.col("is_tombstone"))
-    kept = events.withColumn("_n", F.row_number().over(order)).where(F.col("_n") == 1).drop("_n")
-    return kept.unionByName(rows.where(F.col("is_tombstone")))
 
 
 def checksum_expr(spec: TopicSpec) -> Column:
@@ -530,12 +495,76 @@ def checksum_expr(spec: TopicSpec) -> Column:
     ).cast("string")
 
 
-def window_filter(contract: OffsetContract) -> Column:
+def window_filter(contract: OffsetContract, column: str = "kafka_hour") -> Column:
+    """Rows of the contract's hours. Bounds go to Spark zone-aware (UTC): a naive datetime would
+    be read in the machine's local zone."""
     from pyspark.sql import functions as F
 
-    start = contract.start.astimezone(UTC).replace(tzinfo=None)
-    end = contract.end.astimezone(UTC).replace(tzinfo=None)
-    return (F.col("kafka_timestamp") >= F.lit(start)) & (F.col("kafka_timestamp") < F.lit(end))
+    start, end = contract.start.astimezone(UTC), contract.end.astimezone(UTC)
+    return (F.col(column) >= F.lit(start)) & (F.col(column) < F.lit(end))
+
+
+def record_hash_expr() -> Column:
+    """:func:`backfill_assets.windows.record_hash` in Spark, over the Kafka source's columns."""
+    from pyspark.sql import functions as F
+
+    text = F.concat_ws(
+        ":",
+        F.col("partition").cast("string"),
+        F.col("offset").cast("string"),
+        F.sha2(F.coalesce(F.col("key"), F.lit(b"")), 256),
+        F.sha2(F.coalesce(F.col("value"), F.lit(b"")), 256),
+        F.when(F.col("value").isNull(), F.lit("1")).otherwise(F.lit("0")),
+    )
+    return F.conv(F.substring(F.sha2(text.cast("binary"), 256), 1, 15), 16, 10).cast("bigint")
+
+
+def attribute(spark: SparkSession, source: DataFrame, contract: OffsetContract) -> DataFrame:
+    """Tag every record with the hour whose offset range holds it (``kafka_hour``) and with
+    its ``record_hash``. A record outside every range gets a NULL hour (the checks count it)."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import LongType, StructField, StructType
+
+    from backfill_assets.windows import as_spark_rows
+
+    if contract.windows is None:
+        raise ReplayError("attribute() needs a contract made by offset_contract()")
+    schema = StructType(
+        [StructField(n, LongType(), False) for n in ("w_partition", "w_start", "w_end", "w_ms")]
+    )
+    cells = spark.createDataFrame(list(as_spark_rows(contract.windows)), schema)
+    joined = source.join(
+        F.broadcast(cells),
+        (F.col("partition") == F.col("w_partition"))
+        & (F.col("offset") >= F.col("w_start"))
+        & (F.col("offset") < F.col("w_end")),
+        "left",
+    )
+    return joined.select(
+        *source.columns,
+        F.timestamp_millis(F.col("w_ms")).alias("kafka_hour"),
+        record_hash_expr().alias("record_hash"),
+    )
+
+
+def ensure_tables(
+    spark: SparkSession, settings: Settings, spec: TopicSpec, table: str, qtable: str
+) -> None:
+    """Create the raw and quarantine tables; refuse tables in the old layout, which partitioned
+    rows by their own timestamps (not by the window that read them)."""
+    spark.sql(
+        f"CREATE NAMESPACE IF NOT EXISTS {settings.catalog.name}.{settings.catalog.namespace}"
+    )
+    spark.sql(table_ddl(spec, table))
+    spark.sql(quarantine_ddl(qtable))
+    for name in (table, qtable):
+        if "kafka_hour" not in spark.table(name).columns:
+            raise ReplayError(
+                f"table {name} has the old layout (rows partitioned by their own Kafka "
+                "timestamp, not by the offset window that read them), which can misplace "
+                f"records. Drop it (Spark SQL: DROP TABLE {name} PURGE) and backfill again; "
+                "the local demo stack can simply be reset by deleting .stack/"
+            )
 
 
 def replay_to_branch(
@@ -550,19 +579,24 @@ def replay_to_branch(
     run_id: str,
 ) -> ReplayOutcome:
     """Steps 1-4: contract, read, parse, write the window to a run branch (main untouched)."""
-    from pyspark.sql import functions as F
 
     began = time.monotonic()
     table = iceberg.spark_name(spec.raw_table)
     qtable = iceberg.spark_name(spec.quarantine_table)
-    spark.sql(
-        f"CREATE NAMESPACE IF NOT EXISTS {settings.catalog.name}.{settings.catalog.namespace}"
+    ensure_tables(spark, settings, spec, table, qtable)
+    namespace = settings.catalog.namespace
+    published = ledger.published_offsets(iceberg.catalog(), namespace, table)
+    contract = offset_contract(
+        kafka,
+        spec.topic,
+        start,
+        end,
+        archive=Archive(settings),
+        published=published,
+        seal_grace=timedelta(seconds=settings.seal_grace_s),
     )
-    spark.sql(table_ddl(spec, table))
-    spark.sql(quarantine_ddl(qtable))
-
-    contract = offset_contract(kafka, spec.topic, start, end, archive=Archive(settings))
     require_complete(contract, settings.archive_uri)
+    assert contract.windows is not None
     chunks: list[DataFrame] = []
     if settings.replay_max_records_per_s:
         source, chunks = read_throttled(
@@ -570,32 +604,12 @@ def replay_to_branch(
         )
     else:
         source = read_contract(spark, settings, contract)
-    raw = cache(source)
+    raw = cache(attribute(spark, source, contract))
     try:
-        stats = raw.agg(
-            F.count("*").alias("n"),
-            F.coalesce(
-                F.sum(
-                    F.coalesce(F.length("value"), F.lit(0)) + F.coalesce(F.length("key"), F.lit(0))
-                ),
-                F.lit(0),
-            ).alias("bytes"),
-        ).first()
-        assert stats is not None
-        records_read, bytes_read = int(stats["n"]), int(stats["bytes"])
         rows, quarantine, parsed = parse(spec, raw, run_id)
-        rows = cache(deduplicate(spec, rows))
+        rows = cache(rows)
         quarantine = cache(quarantine)
-        n_rows = rows.count()
-        n_quarantined = quarantine.count()
-        duplicates = records_read - n_quarantined - n_rows
-        checksum = rows.agg(checksum_expr(spec)).first()[0]  # type: ignore[index]
-        per_hour = _per_hour(raw, rows, quarantine)
-        reasons = {
-            r["reason"]: int(r["n"])
-            for r in quarantine.groupBy("reason").agg(F.count("*").alias("n")).collect()
-        }
-
+        figures = _figures(spec, rows, quarantine)
         props = audit_summary(contract, run_id)
         qwriter = quarantine.writeTo(qtable)
         for key, value in props.items():
@@ -608,6 +622,7 @@ def replay_to_branch(
             writer = writer.option(f"snapshot-property.{SUMMARY_PREFIX}{key}", value)
         writer.overwrite(window_filter(contract))
         written = branch_write_stats(spark, branch)
+        faults.after_branch_write(spark, branch.ident, qtable, contract)
     finally:
         raw.unpersist()
         for chunk in chunks:
@@ -615,44 +630,99 @@ def replay_to_branch(
     rows.unpersist()
     quarantine.unpersist()
     parsed.unpersist()  # last: unpersisting it first would re-plan the caches built on it
+    kafka_side = contract.windows.hour_figures()
+    per_hour = {}
+    for hour, k in kafka_side.items():
+        mine = figures["per_hour"].get(hour, {})
+        per_hour[hour] = {
+            "read": k["records"],
+            "written": mine.get("written", 0),
+            "quarantined": mine.get("quarantined", 0),
+        }
     return ReplayOutcome(
         contract=contract,
         branch=branch,
         run_id=run_id,
-        records_read=records_read,
-        rows_written=n_rows,
-        duplicates=duplicates,
-        quarantined=n_quarantined,
-        checksum=str(checksum),
+        records_read=contract.windows.records,
+        rows_written=figures["rows"],
+        quarantined=figures["quarantined"],
+        checksum=figures["checksum"],
         per_hour=per_hour,
-        quarantine_reasons=reasons,
-        bytes_read=bytes_read,
+        quarantine_table=qtable,
+        quarantine_reasons=figures["reasons"],
+        bytes_read=sum(k["bytes"] for k in kafka_side.values()),
         bytes_written=written.get("added-files-size", 0),
         files_written=written.get("added-data-files", 0),
         duration_s=time.monotonic() - began,
+        resent=figures["resent"],
+        conflicting_ids=figures["conflicting_ids"],
     )
 
 
-def _per_hour(raw: DataFrame, rows: DataFrame, quarantine: DataFrame) -> dict[str, dict[str, int]]:
-    """Per Kafka-time hour: records read, rows written, quarantined, duplicates."""
+def _figures(spec: TopicSpec, rows: DataFrame, quarantine: DataFrame) -> dict[str, Any]:
+    """What the run wrote, per hour, plus repeated event ids: three small aggregations. Hours
+    are collected as epoch millis, never as datetimes (PySpark would convert those with the
+    machine's local zone)."""
     from pyspark.sql import functions as F
 
-    def counts(df: DataFrame) -> dict[str, int]:
-        hour = F.date_trunc(
-            "hour", F.col("timestamp" if "timestamp" in df.columns else "kafka_timestamp")
+    hour_ms = F.unix_millis(F.col("kafka_hour")).alias("h")
+    per_hour: dict[str, dict[str, int]] = {}
+    total: dict[str, int] = {"written": 0, "quarantined": 0}
+    for kind, frame in (("written", rows), ("quarantined", quarantine)):
+        for r in frame.groupBy(hour_ms).agg(F.count("*").alias("n")).collect():
+            key = _hour_key(r["h"])
+            per_hour.setdefault(key, {})[kind] = int(r["n"])
+            total[kind] += int(r["n"])
+    checksum = rows.agg(checksum_expr(spec)).first()[0]  # type: ignore[index]
+    content = F.xxhash64(*[F.col(c.name) for c in spec.columns])
+    ids = (
+        rows.where(~F.col("is_tombstone"))
+        .groupBy(spec.event_id_field)
+        .agg(F.count("*").alias("n"), F.count_distinct(content).alias("versions"))
+        .where(F.col("n") > 1)
+        .agg(
+            F.coalesce(F.sum(F.col("n") - 1), F.lit(0)).alias("resent"),
+            F.coalesce(F.sum(F.when(F.col("versions") > 1, 1).otherwise(0)), F.lit(0)).alias(
+                "conflicting"
+            ),
         )
-        return {
-            _hour_key(r["h"]): int(r["n"])
-            for r in df.groupBy(hour.alias("h")).agg(F.count("*").alias("n")).collect()
-        }
+        .first()
+    )
+    assert ids is not None
+    reasons = {
+        r["reason"]: int(r["n"])
+        for r in quarantine.groupBy("reason").agg(F.count("*").alias("n")).collect()
+    }
+    return {
+        "rows": total["written"],
+        "quarantined": total["quarantined"],
+        "per_hour": per_hour,
+        "checksum": str(checksum),
+        "resent": int(ids["resent"]),
+        "conflicting_ids": int(ids["conflicting"]),
+        "reasons": reasons,
+    }
 
-    read, written, quarantined = counts(raw), counts(rows), counts(quarantine)
-    out: dict[str, dict[str, int]] = {}
-    for hour in sorted(set(read) | set(written) | set(quarantined)):
-        r, w, q = read.get(hour, 0), written.get(hour, 0), quarantined.get(hour, 0)
-        out[hour] = {"read": r, "written": w, "quarantined": q, "duplicates": r - w - q}
-    return out
+
+def _hour_key(epoch_ms: int) -> str:
+    return datetime.fromtimestamp(epoch_ms / 1000, UTC).isoformat()
 
 
-def _hour_key(value: datetime) -> str:
-    return value.replace(tzinfo=UTC).isoformat()
+def reapply(spark: SparkSession, outcome: ReplayOutcome, attempt: int) -> Branch:
+    """Rebase: open a new branch from main's current snapshot and copy the run's rows for its
+    window there from the old branch (nothing is read from Kafka again). One commit on the new
+    branch; main is not touched. The old branch is dropped."""
+    old = outcome.branch
+    rows = cache(spark.table(old.ident).where(window_filter(outcome.contract)))
+    try:
+        rows.count()
+        props = audit_summary(outcome.contract, outcome.run_id)
+        branch = open_branch(spark, old.table, outcome.run_id, attempt)
+        writer = rows.writeTo(branch.ident)
+        for key, value in props.items():
+            writer = writer.option(f"snapshot-property.{SUMMARY_PREFIX}{key}", value)
+        writer.overwrite(window_filter(outcome.contract))
+    finally:
+        rows.unpersist()
+    spark.sql(f"ALTER TABLE {old.table} DROP BRANCH IF EXISTS `{old.name}`")
+    return branch

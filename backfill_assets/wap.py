@@ -6,13 +6,18 @@
 * :func:`publish` makes one empty commit on the branch whose snapshot summary carries the
   audit (run id, offsets, check outcomes), then fast-forwards main to it. The fast-forward is a
   single catalog commit: readers see the old main or the whole audited change, never a part.
-  If main moved after :func:`open_branch` (another run published), it refuses and main stays.
+* If main moved after :func:`open_branch`, :func:`publish` looks at what was published in
+  between: when every intervening publish covered hours disjoint from this run's, it raises
+  :class:`MainMoved` and the caller rebases (a new branch from main, the same rows re-applied,
+  the checks re-run) and publishes again; when one overlaps, it raises :class:`PublishError`
+  naming that run. Main is unchanged in both cases.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.errors import BackfillError
@@ -28,6 +33,10 @@ class PublishError(BackfillError):
     """Main could not be moved to the audited snapshot; main is unchanged."""
 
 
+class MainMoved(PublishError):
+    """Main moved under the run, but only through publishes of disjoint hours: rebase."""
+
+
 @dataclass(frozen=True)
 class Branch:
     table: str  # catalog.namespace.table
@@ -40,11 +49,12 @@ class Branch:
         return f"{self.table}.branch_{self.name}"
 
 
-def branch_name(run_id: str) -> str:
-    return "audit_" + run_id.replace("-", "_")
+def branch_name(run_id: str, attempt: int = 0) -> str:
+    name = "audit_" + run_id.replace("-", "_")
+    return name if attempt == 0 else f"{name}_r{attempt}"
 
 
-def open_branch(spark: SparkSession, table: str, run_id: str) -> Branch:
+def open_branch(spark: SparkSession, table: str, run_id: str, attempt: int = 0) -> Branch:
     """Create (or reset) the run's branch from main's current snapshot.
 
     A table that has never been published first gets an empty snapshot on main, so every
@@ -54,13 +64,18 @@ def open_branch(spark: SparkSession, table: str, run_id: str) -> Branch:
     if main_before is None:
         _java_table(spark, table).newFastAppend().set(SUMMARY_PREFIX + "init", "true").commit()
         main_before = ref_snapshot_id(spark, table, "main")
-    name = branch_name(run_id)
+    name = branch_name(run_id, attempt)
     spark.sql(f"ALTER TABLE {table} CREATE OR REPLACE BRANCH `{name}`")
     failpoint("branch_opened")
     return Branch(table, name, main_before)
 
 
-def publish(spark: SparkSession, branch: Branch, summary: dict[str, str]) -> int:
+def publish(
+    spark: SparkSession,
+    branch: Branch,
+    summary: dict[str, str],
+    window: tuple[datetime, datetime] | None = None,
+) -> int:
     """Record ``summary`` (keys get the ``backfill.`` prefix) and fast-forward main.
 
     Returns the snapshot id main now points at. On :class:`PublishError` main is unchanged and
@@ -74,11 +89,7 @@ def publish(spark: SparkSession, branch: Branch, summary: dict[str, str]) -> int
     commit = commit.set(SUMMARY_PREFIX + "published", "true")
     main_now = ref_snapshot_id(spark, branch.table, "main")
     if main_now != branch.main_before:
-        raise PublishError(
-            f"main of {branch.table} moved from snapshot {branch.main_before} to {main_now} "
-            f"while this run was auditing (an overlapping run published first). Nothing was "
-            f"published; branch {branch.name!r} is kept. Re-run the backfill."
-        )
+        _moved(spark, branch, main_now, window)
     commit.commit()
     failpoint("branch_committed")
     catalog_name, namespace_table = branch.table.split(".", 1)
@@ -100,6 +111,58 @@ def publish(spark: SparkSession, branch: Branch, summary: dict[str, str]) -> int
     return published
 
 
+def _moved(
+    spark: SparkSession,
+    branch: Branch,
+    main_now: int | None,
+    window: tuple[datetime, datetime] | None,
+) -> None:
+    """Raise :class:`MainMoved` if every publish since the branch was opened is disjoint from
+    ``window``, else :class:`PublishError` naming the run that overlapped."""
+    rows = spark.sql(
+        f"SELECT snapshot_id, parent_id, summary FROM {branch.table}.snapshots"
+    ).collect()
+    parents = {int(r["snapshot_id"]): r["parent_id"] for r in rows}
+    summaries = {int(r["snapshot_id"]): dict(r["summary"] or {}) for r in rows}
+    between = []
+    snap = main_now
+    while snap is not None and snap != branch.main_before:
+        between.append(snap)
+        parent = parents.get(snap)
+        snap = int(parent) if parent is not None else None
+    if snap != branch.main_before:
+        raise PublishError(
+            f"main of {branch.table} moved from snapshot {branch.main_before} to {main_now}, "
+            "which does not descend from it (a rollback ran while this run was auditing). "
+            f"Nothing was published; branch {branch.name!r} is kept. Re-run the backfill."
+        )
+    others = []
+    for snap_id in between:
+        props = summaries.get(snap_id, {})
+        if props.get(SUMMARY_PREFIX + "published") != "true":
+            continue
+        start_s, _, end_s = (props.get(SUMMARY_PREFIX + "window") or "").partition("/")
+        run = props.get(SUMMARY_PREFIX + "run-id") or "?"
+        if window is None or not start_s or not end_s:
+            overlaps = True
+        else:
+            s0, e0 = datetime.fromisoformat(start_s), datetime.fromisoformat(end_s)
+            overlaps = s0 < window[1] and window[0] < e0
+        if overlaps:
+            span = f"{start_s}..{end_s}" if start_s else "an unknown window"
+            raise PublishError(
+                f"main of {branch.table} moved while this run was auditing: run {run} "
+                f"published {span}, which overlaps this run's window. Nothing was published; "
+                f"branch {branch.name!r} is kept. Re-run the backfill once run {run} is "
+                "what you want to replace."
+            )
+        others.append(run)
+    raise MainMoved(
+        f"main of {branch.table} moved from {branch.main_before} to {main_now} through "
+        f"publishes of disjoint windows (runs {', '.join(others) or 'none'}); rebasing"
+    )
+
+
 def drop_published_leftovers(spark: SparkSession, table: str) -> list[str]:
     """Drop the branches of runs that died right after fast-forwarding main (before dropping
     their branch): the head is the run's own published snapshot, already in main's history,
@@ -117,7 +180,7 @@ def drop_published_leftovers(spark: SparkSession, table: str) -> list[str]:
     ).collect()
     dropped = []
     for row in rows:
-        own = row["run_id"] is not None and branch_name(row["run_id"]) == row["name"]
+        own = row["run_id"] is not None and row["name"].startswith(branch_name(row["run_id"]))
         if own and row["published"] == "true" and row["is_current_ancestor"]:
             spark.sql(f"ALTER TABLE {table} DROP BRANCH IF EXISTS `{row['name']}`")
             dropped.append(row["name"])

@@ -131,14 +131,16 @@ def bare_spark(
 def spark_parse(
     spark: SparkSession, settings: Settings, spec: TopicSpec, contract: OffsetContract, out: Path
 ) -> float:
-    """The asset's own read, parse and dedupe, written to Parquet: no Iceberg, branch, checks,
-    publish or Dagster. Separates the cost of the transform from that of write-audit-publish."""
-    from backfill_assets.replay import deduplicate, parse, read_contract
+    """The asset's own read, window attribution and parse, written to Parquet: no Iceberg,
+    branch, checks, publish or Dagster. Separates the cost of the transform from that of
+    write-audit-publish. ``contract`` must come from ``offset_contract`` (it has windows)."""
+    from backfill_assets.replay import attribute, parse, read_contract
 
     shutil.rmtree(out, ignore_errors=True)
     began = time.monotonic()
-    rows, quarantine, *cached = parse(spec, read_contract(spark, settings, contract), "bench")
-    deduplicate(spec, rows).write.parquet(str(out / "rows"))
+    source = attribute(spark, read_contract(spark, settings, contract), contract)
+    rows, quarantine, *cached = parse(spec, source, "bench")
+    rows.write.parquet(str(out / "rows"))
     quarantine.write.parquet(str(out / "quarantine"))
     seconds = time.monotonic() - began
     for frame in cached:
