@@ -1,14 +1,19 @@
 """Derived lakehouse tables, computed in Spark from the published raw table.
 
-* ``<topic>_hourly``: per event-time hour and currency, events, orders and amount. Its hour H
-  is expected to read raw Kafka hours H .. H + allowed lateness (the partition mapping); it
-  reads every published raw row with an event time in H, so when the late-data sensor re-runs
-  H for records that arrived even later, they are counted.
-* ``<topic>_current``: the latest record per key by event time (Kafka time for tombstones),
-  then offset. The latest record decides the whole row, so merges are order-independent and
-  idempotent. A tombstone leaves the key with ``deleted = true`` and an empty payload instead of
-  removing the row: replaying an older window can then never resurrect a deleted key. Readers
-  filter ``NOT deleted``.
+**The duplicates rule** (both tables; it does not depend on where runs start or end): the raw
+table keeps every committed record. Among the versions of one event id, the one with the
+highest (Kafka timestamp, partition, offset) wins; identical re-sends collapse into it, and an
+id whose versions differ in content is a *conflict*, counted in the run's metadata.
+
+* ``<topic>_hourly``: per event-time hour and currency, events, orders and amount over the
+  winning versions. Its hour H is expected to read raw Kafka hours H .. H + allowed lateness
+  (the partition mapping); it reads every published raw row, so when the late-data sensor
+  re-runs H for records that arrived even later, they are counted.
+* ``<topic>_current``: per key, the latest of the winning events and the tombstones, by event
+  time (Kafka time for tombstones), then Kafka time, partition, offset. A run of Kafka hours
+  W recomputes every key with a raw row in W or whose current row came from W, from all of
+  main's raw rows, so re-publishing or rolling back raw hours and re-running converges. A
+  tombstone leaves the key with ``deleted = true``; a key with no raw row left is removed.
 
 Both are written on a run branch and published through :mod:`backfill_assets.wap`; each
 function returns the branch and the audit outcomes it computed on that branch.
@@ -25,7 +30,7 @@ from backfill_assets.spec import TopicSpec
 from backfill_assets.wap import Branch, open_branch
 
 if TYPE_CHECKING:
-    from pyspark.sql import Column, SparkSession
+    from pyspark.sql import Column, DataFrame, SparkSession
 
 HOURLY_CHECKS = ("count_reconciliation", "amount_reconciliation", "uniqueness", "schema_contract")
 CURRENT_CHECKS = ("uniqueness", "source_applied", "schema_contract")
@@ -47,9 +52,38 @@ def current_table(spec: TopicSpec) -> str:
 
 
 def _ts(value: datetime) -> Column:
+    """A UTC timestamp literal. Aware on purpose: PySpark reads a naive datetime in the
+    machine's local zone."""
     from pyspark.sql import functions as F
 
-    return F.lit(value.astimezone(UTC).replace(tzinfo=None))
+    return F.lit(value.astimezone(UTC))
+
+
+def winning_versions(
+    spark: SparkSession, spec: TopicSpec, raw_table: str, ids: DataFrame
+) -> DataFrame:
+    """For the event ids in ``ids`` (one column, the event id field), the winning version of
+    each from all of main's raw rows, with ``_versions`` (distinct contents) per id."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    key = spec.event_id_field
+    events = spark.table(raw_table).where(~F.col("is_tombstone"))
+    versions = events.join(ids, key, "left_semi")
+    content = F.xxhash64(*[F.col(c.name) for c in spec.columns])
+    order = Window.partitionBy(key).orderBy(
+        F.col("kafka_timestamp").desc(),
+        F.col("kafka_partition").desc(),
+        F.col("kafka_offset").desc(),
+    )
+    every = Window.partitionBy(key)
+    return (
+        versions.withColumn("_content", content)
+        .withColumn("_n", F.row_number().over(order))
+        .withColumn("_versions", F.size(F.collect_set("_content").over(every)))
+        .where(F.col("_n") == 1)
+        .drop("_n", "_content")
+    )
 
 
 def build_hourly(
@@ -60,6 +94,7 @@ def build_hourly(
     start: datetime,
     end: datetime,
     run_id: str,
+    attempt: int = 0,
 ) -> DerivedOutcome:
     """Recompute event-time hours ``[start, end)`` onto a run branch of ``table``."""
     from pyspark.sql import functions as F
@@ -73,17 +108,17 @@ def build_hourly(
     )
     lateness = timedelta(hours=spec.allowed_lateness_hours)
     event_time = F.col(spec.event_time_field)
-    source = (
+    in_window = (event_time >= _ts(start)) & (event_time < _ts(end))
+    # Every id with some version in the window, then each id's winner (whose event time may
+    # have been corrected out of the window, or into it from another id's hour).
+    ids = (
         spark.table(raw_table)
-        .where(~F.col("is_tombstone"))
-        # Events of hour H reach Kafka at or after H. No upper bound on Kafka time: records
-        # later than the allowed lateness are included when the late-data sensor re-runs H
-        # (file-level event_time statistics keep the scan to the files that can match).
-        .where(F.col("kafka_timestamp") >= _ts(start))
-        .where((event_time >= _ts(start)) & (event_time < _ts(end)))
-        .dropDuplicates([spec.event_id_field])
-        .persist()
+        .where(~F.col("is_tombstone") & in_window)
+        .select(spec.event_id_field)
+        .distinct()
     )
+    winners = winning_versions(spark, spec, raw_table, ids).persist()
+    source = winners.where(in_window)
     try:
         agg = source.groupBy(
             F.date_trunc("hour", event_time).alias("event_hour"), F.col("currency")
@@ -97,11 +132,12 @@ def build_hourly(
         )
         src = source.agg(F.count("*").alias("n"), F.sum("amount_minor").alias("amount")).first()
         assert src is not None
-        branch = open_branch(spark, table, run_id)
+        conflicts = winners.where(F.col("_versions") > 1).count()
+        branch = open_branch(spark, table, run_id, attempt)
         window = (F.col("event_hour") >= _ts(start)) & (F.col("event_hour") < _ts(end))
         agg.writeTo(branch.ident).overwrite(window)
     finally:
-        source.unpersist()
+        winners.unpersist()
 
     written = spark.table(branch.ident).where(window).persist()
     try:
@@ -157,6 +193,7 @@ def build_hourly(
             "source_kafka_window": f"{start.isoformat()}/{(end + lateness).isoformat()}",
             "events": src_events,
             "amount_minor": src_amount,
+            "conflicting_event_ids": conflicts,
         },
     )
 
@@ -169,24 +206,56 @@ def build_current(
     start: datetime,
     end: datetime,
     run_id: str,
+    attempt: int = 0,
 ) -> DerivedOutcome:
-    """Merge the raw rows of Kafka-time ``[start, end)`` into the current-state table."""
+    """Recompute, onto a run branch of the current-state table, every key touched by Kafka
+    hours ``[start, end)``: keys with a raw row there, and keys whose current row came from
+    there (so a rolled-back raw hour is undone by re-running it). One MERGE commit."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    payload = [c.name for c in spec.columns if c.name != spec.key_field]
-    cols = ", ".join(f"{c.name} {c.type}" for c in spec.columns if c.name != spec.key_field)
+    key = spec.key_field
+    payload = [c.name for c in spec.columns if c.name != key]
+    cols = ", ".join(f"{c.name} {c.type}" for c in spec.columns if c.name != key)
     spark.sql(
-        f"CREATE TABLE IF NOT EXISTS {table} ({spec.key_field} string, {cols}, "
-        "deleted boolean, order_ts timestamp, kafka_partition int, kafka_offset bigint) "
+        f"CREATE TABLE IF NOT EXISTS {table} ({key} string, {cols}, "
+        "deleted boolean, order_ts timestamp, kafka_timestamp timestamp, kafka_hour timestamp, "
+        "kafka_partition int, kafka_offset bigint) "
         "USING iceberg TBLPROPERTIES ('format-version'='2')"
     )
-    key = spec.key_field
+    if "kafka_hour" not in spark.table(table).columns:
+        raise ValueError(
+            f"table {table} has the old layout; drop it (DROP TABLE {table} PURGE) and re-run "
+            "the current-state backfill"
+        )
+    hours = (F.col("kafka_hour") >= _ts(start)) & (F.col("kafka_hour") < _ts(end))
+    raw = spark.table(raw_table)
+    touched = (
+        raw.where(hours)
+        .select(key)
+        .unionByName(spark.table(table).where(hours).select(key))
+        .where(F.col(key).isNotNull())
+        .distinct()
+    )
+    events = winning_versions(
+        spark,
+        spec,
+        raw_table,
+        raw.join(touched, key, "left_semi")
+        .where(~F.col("is_tombstone"))
+        .select(spec.event_id_field)
+        .distinct(),
+    ).drop("_versions")
+    tombstones = raw.join(touched, key, "left_semi").where(F.col("is_tombstone"))
     order_ts = F.coalesce(F.col(spec.event_time_field), F.col("kafka_timestamp"))
-    latest_first = Window.partitionBy(key).orderBy(order_ts.desc(), F.col("kafka_offset").desc())
-    source = (
-        spark.table(raw_table)
-        .where((F.col("kafka_timestamp") >= _ts(start)) & (F.col("kafka_timestamp") < _ts(end)))
+    latest_first = Window.partitionBy(key).orderBy(
+        order_ts.desc(),
+        F.col("kafka_timestamp").desc(),
+        F.col("kafka_partition").desc(),
+        F.col("kafka_offset").desc(),
+    )
+    winners = (
+        events.unionByName(tombstones)
         .withColumn("order_ts", order_ts)
         .withColumn("_n", F.row_number().over(latest_first))
         .where(F.col("_n") == 1)
@@ -195,37 +264,64 @@ def build_current(
             *payload,
             F.col("is_tombstone").alias("deleted"),
             "order_ts",
+            "kafka_timestamp",
+            "kafka_hour",
             "kafka_partition",
             "kafka_offset",
         )
+    )
+    # Touched keys with no raw row left (their hours were rolled back) are removed.
+    source = (
+        touched.join(winners, key, "left")
+        .withColumn("_gone", F.col("order_ts").isNull())
         # Cut the lineage to the raw table: Spark 4.1 cannot plan a MERGE whose source view
         # still references another Iceberg table ("No plan for TableReference").
         .localCheckpoint(eager=True)
     )
     try:
-        view = f"_current_src_{run_id.replace('-', '_')}"
+        view = f"_current_src_{run_id.replace('-', '_')}_{attempt}"
         source.createOrReplaceTempView(view)
-        branch = open_branch(spark, table, run_id)
-        newer = (
-            "(s.order_ts > t.order_ts OR (s.order_ts = t.order_ts "
-            "AND s.kafka_offset > t.kafka_offset))"
+        branch = open_branch(spark, table, run_id, attempt)
+        keep = ", ".join(
+            f"{c} = s.{c}"
+            for c in [
+                *payload,
+                "deleted",
+                "order_ts",
+                "kafka_timestamp",
+                "kafka_hour",
+                "kafka_partition",
+                "kafka_offset",
+            ]
         )
-        keep = ", ".join(f"{c} = s.{c}" for c in payload)
+        insert_cols = [
+            key,
+            *payload,
+            "deleted",
+            "order_ts",
+            "kafka_timestamp",
+            "kafka_hour",
+            "kafka_partition",
+            "kafka_offset",
+        ]
         spark.sql(
             f"MERGE INTO {branch.ident} t USING {view} s ON t.{key} = s.{key} "
-            f"WHEN MATCHED AND {newer} THEN UPDATE SET {keep}, deleted = s.deleted, "
-            "order_ts = s.order_ts, kafka_partition = s.kafka_partition, "
-            "kafka_offset = s.kafka_offset "
-            "WHEN NOT MATCHED THEN INSERT *"
+            "WHEN MATCHED AND s._gone THEN DELETE "
+            f"WHEN MATCHED THEN UPDATE SET {keep} "
+            f"WHEN NOT MATCHED AND NOT s._gone THEN INSERT ({', '.join(insert_cols)}) "
+            f"VALUES ({', '.join('s.' + c for c in insert_cols)})"
         )
         state = spark.table(branch.ident)
         joined = source.alias("s").join(state.alias("t"), key, "left")
         not_applied = joined.where(
-            F.col("t.order_ts").isNull()
-            | (F.col("t.order_ts") < F.col("s.order_ts"))
+            (F.col("s._gone") & F.col("t.order_ts").isNotNull())
             | (
-                (F.col("t.order_ts") == F.col("s.order_ts"))
-                & (F.col("t.kafka_offset") < F.col("s.kafka_offset"))
+                ~F.col("s._gone")
+                & (
+                    F.col("t.order_ts").isNull()
+                    | (F.col("t.kafka_partition") != F.col("s.kafka_partition"))
+                    | (F.col("t.kafka_offset") != F.col("s.kafka_offset"))
+                )
             )
         ).count()
         source_keys = source.count()
@@ -248,7 +344,7 @@ def build_current(
         CheckOutcome(
             "source_applied",
             not_applied == 0,
-            f"{not_applied} of {source_keys} keys from the window are older in the state table",
+            f"{not_applied} of {source_keys} touched keys do not hold their latest raw record",
             {"source_keys": source_keys, "not_applied": not_applied},
         ),
         CheckOutcome(

@@ -1,7 +1,8 @@
 """What is missing or stale: the Kafka log compared with what main of each table has published.
 
-The authoritative checkpoint is the snapshot summaries on main (``backfill.window``,
-``backfill.run-id``): a rolled-back publish leaves main's history and so becomes a gap again.
+The authoritative checkpoint is the ledger of published windows (:mod:`backfill_assets.ledger`),
+which table maintenance cannot erase: a rolled-back publish is no longer live and so becomes a
+gap again.
 Everything here reads Kafka metadata and Iceberg metadata (pyiceberg), never data files except
 for the late-data look-up, and never starts Spark, so sensors stay cheap.
 
@@ -18,11 +19,10 @@ from itertools import pairwise
 from typing import Any
 
 from pyiceberg.catalog import Catalog
-from pyiceberg.exceptions import NoSuchTableError
 
+from backfill_assets import ledger
 from backfill_assets.resources import KafkaResource
 from backfill_assets.spec import TopicSpec
-from backfill_assets.wap import SUMMARY_PREFIX
 
 HOUR = timedelta(hours=1)
 PARTITION_FMT = "%Y-%m-%d-%H:%M"
@@ -50,32 +50,13 @@ class Findings:
 
 
 def published(catalog: Catalog, identifier: str) -> list[Publish]:
-    """Publishes in main's history (newest first); empty if the table does not exist."""
-    try:
-        table = catalog.load_table(identifier)
-    except NoSuchTableError:
-        return []
-    out: list[Publish] = []
-    snap_id = table.metadata.current_snapshot_id
-    while snap_id is not None:
-        snap = table.metadata.snapshot_by_id(snap_id)
-        if snap is None:
-            break
-        summary = snap.summary
-        if summary is not None and summary.get(f"{SUMMARY_PREFIX}published") == "true":
-            window = summary.get(f"{SUMMARY_PREFIX}window") or ""
-            start_s, _, end_s = window.partition("/")
-            if start_s and end_s:
-                out.append(
-                    Publish(
-                        datetime.fromisoformat(start_s),
-                        datetime.fromisoformat(end_s),
-                        summary.get(f"{SUMMARY_PREFIX}run-id") or "?",
-                        snap.timestamp_ms,
-                    )
-                )
-        snap_id = snap.parent_snapshot_id
-    return out
+    """Live publishes of ``namespace.table``, newest first, one per covered hour, from the
+    ledger (:mod:`backfill_assets.ledger`): it survives snapshot expiry, and a rolled-back
+    publish is no longer live."""
+    namespace = identifier.split(".", 1)[0]
+    entries = ledger.coverage(catalog, namespace, f"{catalog.name}.{identifier}")
+    out = [Publish(hour, hour + HOUR, e.run_id, e.committed_ms) for hour, e in entries.items()]
+    return sorted(out, key=lambda p: p.committed_ms, reverse=True)
 
 
 def covered_hours(publishes: list[Publish]) -> dict[datetime, Publish]:
@@ -199,7 +180,7 @@ def late_event_hours(
     rows = (
         table.scan(
             row_filter=f"ingest_run_id IN ({quoted}) AND is_tombstone == false",
-            selected_fields=(spec.event_time_field, "kafka_timestamp", "ingest_run_id"),
+            selected_fields=(spec.event_time_field, "kafka_hour", "ingest_run_id"),
         )
         .to_arrow()
         .to_pylist()
@@ -215,7 +196,7 @@ def late_event_hours(
         pub = hourly.get(event_hour)
         if pub is None:
             continue  # never published: the gap sensor handles it
-        if _hour(row["kafka_timestamp"]) <= event_hour + lateness:
+        if _hour(row["kafka_hour"]) <= event_hour + lateness:
             continue  # inside the mapping: the gap sensor's staleness rule handles it
         if committed[row["ingest_run_id"]] > pub.committed_ms:
             due[event_hour] = f"late records ingested by run {row['ingest_run_id']}"

@@ -16,9 +16,8 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.table import Table
 
-from backfill_assets import audit
+from backfill_assets import audit, ledger
 from backfill_assets.errors import BackfillError
-from backfill_assets.wap import SUMMARY_PREFIX
 
 
 class RollbackError(BackfillError):
@@ -64,7 +63,9 @@ def rollback(
     by_table: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         by_table.setdefault(row["table_name"], []).append(row)
-    plans = [_plan(catalog, name, pubs, force) for name, pubs in sorted(by_table.items())]
+    plans = [
+        _plan(catalog, namespace, name, pubs, force) for name, pubs in sorted(by_table.items())
+    ]
     results = []
     for table, result in plans:
         try:
@@ -74,6 +75,13 @@ def rollback(
                 f"{result.table_name} changed while rolling back ({exc}); nothing was changed "
                 "on it. Run the rollback again."
             ) from exc
+        ledger.record_rollback(
+            catalog,
+            namespace,
+            result.table_name,
+            runs=[*result.undone_runs, *result.discarded_later_runs],
+            snapshot_id=result.restored_snapshot,
+        )
         audit.append(
             catalog,
             namespace,
@@ -101,45 +109,40 @@ def rollback(
 
 
 def _plan(
-    catalog: Catalog, table_name: str, publishes: list[dict[str, Any]], force: bool
+    catalog: Catalog, namespace: str, table_name: str, publishes: list[dict[str, Any]], force: bool
 ) -> tuple[Table, RollbackResult]:
+    """What rolling ``table_name`` back before ``publishes`` undoes, from the ledger (which
+    survives snapshot expiry): the live publishes committed after the earliest of them."""
     ident = table_name.split(".", 1)[1] if table_name.count(".") >= 2 else table_name
     table = catalog.load_table(ident)
     current = table.metadata.current_snapshot_id
     if current is None:
         raise RollbackError(f"{table_name} has no snapshot on main; nothing to roll back")
-    ancestry = _ancestry(table, current)
+    ledger.sync_from_history(catalog, namespace, table_name)
     earliest = min(publishes, key=lambda r: r["finished_at"])
     target = int(earliest["snapshot_before"])
     ours = {r["run_id"] for r in publishes}
-    if target not in ancestry:
+    live = ledger.publishes(catalog, namespace, table_name)
+    mine = [e for e in live if e.run_id in ours]
+    if not mine:
         raise RollbackError(
-            f"{table_name}: snapshot {target} (before {sorted(ours)}) is not in main's history "
-            "any more (already rolled back?); nothing to do"
+            f"{table_name}: the publishes of {sorted(ours)} are not live any more (already "
+            "rolled back?); nothing to do"
         )
-    published_after = []
-    for snap_id in ancestry[: ancestry.index(target)]:
-        snap = table.metadata.snapshot_by_id(snap_id)
-        props = snap.summary if snap is not None and snap.summary is not None else {}
-        if props.get(f"{SUMMARY_PREFIX}published") == "true":
-            published_after.append(props.get(f"{SUMMARY_PREFIX}run-id") or "?")
-    later = [r for r in dict.fromkeys(published_after) if r not in ours]
+    if table.metadata.snapshot_by_id(target) is None:
+        raise RollbackError(
+            f"{table_name}: snapshot {target}, main before {sorted(ours)}, has been expired by "
+            "table maintenance, so main cannot be restored to it. Re-run the backfill over "
+            "the same range instead (windows are fixed, so it republishes the same rows)."
+        )
+    first_seq = min(e.sequence_number for e in mine)
+    after = [e for e in live if e.sequence_number >= first_seq]
+    later = [r for r in dict.fromkeys(e.run_id for e in after) if r not in ours]
     if later and not force:
         raise RollbackError(
             f"rolling back {table_name} to snapshot {target} would also discard later publishes "
             f"by run(s) {', '.join(later)}. Roll those back first, or pass --force to discard "
             "them too."
         )
-    undone = [r for r in dict.fromkeys(published_after) if r in ours]
+    undone = [r for r in dict.fromkeys(e.run_id for e in after) if r in ours]
     return table, RollbackResult(table_name, current, target, undone, later)
-
-
-def _ancestry(table: Table, snapshot_id: int) -> list[int]:
-    """Snapshot ids from ``snapshot_id`` back to the first, newest first."""
-    out = []
-    current: int | None = snapshot_id
-    while current is not None:
-        out.append(current)
-        snap = table.metadata.snapshot_by_id(current)
-        current = snap.parent_snapshot_id if snap else None
-    return out
