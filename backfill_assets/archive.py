@@ -5,11 +5,22 @@ in production, both through :mod:`pyarrow.fs`)::
 
     <topic>/<partition>/<start:020d>-<end:020d>.parquet
 
-A file holds every record of that partition whose offset is in ``[start, end)``; offsets with
-no record (transaction markers, compaction) are simply absent. Columns: ``topic``,
+A file holds every committed record of that partition whose offset is in ``[start, end)``;
+offsets with no committed record (records of aborted transactions, transaction markers,
+compaction) are simply absent. Columns: ``topic``,
 ``partition``, ``offset``, ``timestamp`` (ms, UTC), ``timestampType`` (Kafka's id: 0 create,
 1 log-append), ``key``, ``value``, ``headers`` (list of key/value), i.e. what Spark's Kafka
-source returns, so an archived range reads exactly like the same range read from Kafka.
+source returns, so an archived range reads exactly like the same range read from Kafka with
+``isolation.level=read_committed``.
+
+Committed records only: the archiver reads with ``read_committed`` and so archives each
+partition only up to its last stable offset (LSO); offsets at and after an open transaction's
+first record wait for the next pass. Each file records ``"isolation": "read_committed"`` in its
+Parquet schema metadata (key ``backfill.archive``). A file without it is *legacy*: it was
+written by a reader that also returned records of aborted transactions. Readers refuse legacy
+files (:class:`ArchiveError` naming the file and what to do); the archiver re-archives every
+legacy file whose offsets Kafka still holds (the committed file for the same ``[start, end)``
+replaces it atomically) and reports the ones it cannot (Kafka deleted some of their offsets).
 
 What is atomic, and why each offset is archived exactly once:
 
@@ -18,15 +29,19 @@ What is atomic, and why each offset is archived exactly once:
 * the next file of a partition always starts where the archived chain ends, and readers take
   the chain (longest file at each start offset), so a crash at any point leaves either no
   file for a range (the rerun writes it) or the complete file (the rerun continues after it);
+* a legacy file is replaced by moving its committed rewrite over it (an atomic rename on local
+  disks, an atomic object overwrite on S3): there is never a moment with neither;
 * the archiver never commits consumer offsets: the archive itself is the checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
 import uuid
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,11 +54,18 @@ from backfill_assets.errors import BackfillError
 
 if TYPE_CHECKING:
     from confluent_kafka import Message
+    from confluent_kafka.admin import AdminClient
 
     from backfill_assets.resources import KafkaResource
     from backfill_assets.settings import Settings
 
 _NAME = re.compile(r"^(\d{20})-(\d{20})\.parquet$")
+# The only isolation level the archive is read and written with; recorded in every file.
+ISOLATION = "read_committed"
+_META_KEY = b"backfill.archive"
+# How long a reader that refuses a legacy file waits for Kafka's log start offset (to say
+# whether the file can still be re-archived).
+_LOOKUP_TIMEOUT_S = 10.0
 # Kafka's TimestampType ids, as Spark's Kafka source reports them.
 _KAFKA_TS_TYPE = {0: -1, 1: 0, 2: 1}  # confluent-kafka constant -> Kafka id
 
@@ -89,6 +111,16 @@ class PartitionRun:
     bytes: int = 0
     files: list[str] = field(default_factory=list)
     lost: tuple[int, int] | None = None  # offsets deleted from Kafka before they were archived
+    # [last stable offset, high watermark) when an open transaction holds the LSO back: those
+    # offsets are archived by a later pass, once the transaction has ended.
+    waiting_for_transaction: tuple[int, int] | None = None
+    # Legacy files (written without read_committed) this pass replaced by committed ones.
+    rearchived: list[dict[str, Any]] = field(default_factory=list)
+    # Legacy files that cannot be re-archived (Kafka deleted some of their offsets, or holds
+    # other records there): readers keep refusing them.
+    unverifiable_legacy: list[dict[str, Any]] = field(default_factory=list)
+    # Legacy files reaching past the LSO: re-archived by a pass after the transaction ends.
+    legacy_waiting: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -99,6 +131,14 @@ class PartitionRun:
         }
         if self.lost is not None:
             out["lost_before_archiving"] = list(self.lost)
+        if self.waiting_for_transaction is not None:
+            out["waiting_for_transaction"] = list(self.waiting_for_transaction)
+        if self.rearchived:
+            out["rearchived"] = self.rearchived
+        if self.unverifiable_legacy:
+            out["unverifiable_legacy"] = self.unverifiable_legacy
+        if self.legacy_waiting:
+            out["legacy_waiting_for_transaction"] = self.legacy_waiting
         return out
 
 
@@ -106,9 +146,13 @@ class Archive:
     """Read and write the archive of one settings' ``archive_uri``."""
 
     def __init__(self, settings: Settings) -> None:
+        self.settings = settings
         self.uri = settings.archive_uri.rstrip("/")
         self.fs, self.root = _filesystem(settings)
         self.file_records = settings.archive_file_records
+        # Paths verified committed. Safe to remember: a committed file is never replaced (only
+        # legacy files are), and any file at a name holds that range's committed records.
+        self._committed: set[str] = set()
 
     # -- reading ------------------------------------------------------------------------
     def _dir(self, topic: str, partition: int) -> str:
@@ -166,6 +210,7 @@ class Archive:
             picked.append(f)
             need = f.end
             if need >= end:
+                self._require_committed(topic, picked)
                 return picked
         raise ArchiveError(
             f"topic {topic!r} partition {partition}: offsets [{need}, {end}) are not in the "
@@ -176,13 +221,18 @@ class Archive:
         self, topic: str, partition: int, timestamp_ms: int, below: int
     ) -> int | None:
         """The first archived offset < ``below`` whose timestamp is >= ``timestamp_ms`` (Kafka's
-        ListOffsets-by-timestamp rule), or None if no archived record below it qualifies."""
+        ListOffsets-by-timestamp rule), or None if no archived record below it qualifies.
+        Raises if a file it has to consult is legacy."""
         for f in self.chain(topic, partition):
             if f.start >= below:
                 break
             meta = self._file_meta(f)
-            if meta.get("max_timestamp_ms", timestamp_ms) < timestamp_ms:
-                continue
+            if not _is_committed(meta):
+                raise self._legacy_error(topic, [f])
+            self._committed.add(f.path)
+            newest = meta.get("max_timestamp_ms")
+            if newest is None or newest < timestamp_ms:
+                continue  # empty, or every record is older
             table = self._read(f, ["offset", "timestamp"])
             offsets = table.column("offset").to_pylist()
             stamps = table.column("timestamp").cast(pa.int64()).to_pylist()
@@ -214,23 +264,85 @@ class Archive:
         with self.fs.open_input_file(f.path) as handle:
             return pq.read_table(handle, columns=columns)
 
-    def _file_meta(self, f: ArchiveFile) -> dict[str, int]:
+    def _file_meta(self, f: ArchiveFile) -> dict[str, Any]:
         with self.fs.open_input_file(f.path) as handle:
             meta = pq.read_schema(handle).metadata or {}
-        raw = meta.get(b"backfill.archive")
-        return json.loads(raw) if raw else {}
+        raw = meta.get(_META_KEY)
+        return dict(json.loads(raw)) if raw else {}
+
+    def is_legacy(self, f: ArchiveFile) -> bool:
+        """Whether ``f`` was written without ``read_committed`` (it may hold records of aborted
+        transactions)."""
+        if f.path in self._committed:
+            return False
+        if _is_committed(self._file_meta(f)):
+            self._committed.add(f.path)
+            return False
+        return True
+
+    def _require_committed(self, topic: str, files: list[ArchiveFile]) -> None:
+        legacy = [f for f in files if self.is_legacy(f)]
+        if legacy:
+            raise self._legacy_error(topic, legacy)
+
+    def _legacy_error(self, topic: str, legacy: list[ArchiveFile]) -> ArchiveError:
+        """The refusal of legacy files, saying for each whether the archiver can still replace
+        it (Kafka holds its offsets) or an operator has to act (Kafka deleted some)."""
+        low = self._log_start(topic, legacy[0].partition)
+        command = f"`backfill-assets archive --topic {topic}`"
+        parts = []
+        for f in legacy:
+            what = (
+                f"archive file {f.path} (topic {topic!r} partition {f.partition} offsets "
+                f"[{f.start}, {f.end}))"
+            )
+            if low is not None and f.start < low:
+                parts.append(
+                    f"{what} cannot be re-archived because Kafka deleted offsets "
+                    f"[{f.start}, {min(low, f.end)}) (log start offset {low}): restore a "
+                    f"committed copy of it from elsewhere, or have an operator delete {f.path} "
+                    "(its offsets are then missing from the archive)"
+                )
+            elif low is not None:
+                parts.append(f"{what}: run {command} to re-archive it from Kafka")
+            else:
+                parts.append(
+                    f"{what}: run {command} to re-archive it from Kafka; if Kafka no longer "
+                    f"holds all of [{f.start}, {f.end}) it cannot be re-archived and must be "
+                    f"restored from elsewhere or deleted by an operator"
+                )
+        return ArchiveError(
+            "refusing archive files written before the archive read committed records only "
+            "(they may hold records of aborted transactions): " + "; ".join(parts)
+        )
+
+    def _log_start(self, topic: str, partition: int) -> int | None:
+        """Kafka's log start offset of a partition, or None if Kafka cannot say."""
+        from confluent_kafka.admin import AdminClient
+
+        try:
+            admin = AdminClient(self.settings.kafka.client_config())
+            found = _list_offsets(
+                admin, topic, [partition], latest=False, committed=True, timeout_s=_LOOKUP_TIMEOUT_S
+            )
+            return found[partition]
+        except Exception:  # the refusal stands either way; only its advice is less precise
+            return None
 
     # -- writing ------------------------------------------------------------------------
     def archive_topic(
         self, kafka: KafkaResource, topic: str, *, partitions: list[int] | None = None
     ) -> list[PartitionRun]:
-        """Archive every partition of ``topic`` from where its archive ends to the high
-        watermark seen at the start. Offsets Kafka deleted before they were archived are
-        reported as ``lost`` (they cannot be recovered from Kafka any more)."""
-        marks = kafka.watermarks(topic)
+        """Archive every partition of ``topic`` from where its archive ends to the last stable
+        offset (LSO) seen at the start, and re-archive its legacy files that Kafka still holds.
+
+        Offsets Kafka deleted before they were archived are reported as ``lost`` (they cannot
+        be recovered from Kafka any more); offsets an open transaction holds back (between the
+        LSO and the high watermark) as ``waiting_for_transaction``."""
+        bounds = log_bounds(kafka, topic)
         runs = []
-        for p in sorted(partitions if partitions is not None else marks):
-            low, high = marks[p]
+        for p in sorted(partitions if partitions is not None else bounds):
+            low, lso, high = bounds[p]
             resume = self.archived_end(topic, p)
             start = low if resume is None else resume
             lost = None
@@ -238,13 +350,80 @@ class Archive:
                 lost, start = (resume, low), low
             elif resume is None and low > 0:
                 lost = (0, low)
-            run = PartitionRun(p, start, max(start, high), lost=lost)
-            if high > start:
+            run = PartitionRun(p, start, max(start, lso), lost=lost)
+            if high > max(start, lso):
+                run.waiting_for_transaction = (max(start, lso), high)
+            self._rearchive_legacy(kafka, topic, run, low, lso)
+            if lso > start:
                 self._archive_range(kafka, topic, run)
             runs.append(run)
         return runs
 
+    def _rearchive_legacy(
+        self, kafka: KafkaResource, topic: str, run: PartitionRun, low: int, lso: int
+    ) -> None:
+        """Replace each legacy file of the partition whose offsets Kafka holds (all of them at
+        or after ``low``, all of them below ``lso``) by the committed file of the same range."""
+        for f in self.files(topic, run.partition):
+            if not self.is_legacy(f):
+                continue
+            entry: dict[str, Any] = {"file": f.path, "offsets": [f.start, f.end]}
+            if f.start < low:
+                run.unverifiable_legacy.append(
+                    {**entry, "kafka_deleted": [f.start, min(low, f.end)]}
+                )
+                continue
+            if f.end > lso:
+                run.legacy_waiting.append({**entry, "last_stable_offset": lso})
+                continue
+            with contextlib.closing(
+                self._committed_records(kafka, topic, f.partition, f.start, f.end)
+            ) as it:
+                msgs = list(it)
+            table, _ = _table(topic, f.partition, f.start, f.end, msgs)
+            legacy = self._read(f)
+            if not _is_subset(table, legacy):
+                # Kafka's committed records differ from what the file holds (the topic was
+                # deleted and recreated?): replacing it would swap history for other records.
+                run.unverifiable_legacy.append(
+                    {**entry, "reason": "Kafka holds records that differ from the file's"}
+                )
+                continue
+            self._put(topic, f.partition, f.start, f.end, table)
+            self._committed.add(f.path)
+            run.rearchived.append(
+                {**entry, "records_before": legacy.num_rows, "records_after": table.num_rows}
+            )
+
     def _archive_range(self, kafka: KafkaResource, topic: str, run: PartitionRun) -> None:
+        file_start = run.start
+        batch: list[Message] = []
+        try:
+            with contextlib.closing(
+                self._committed_records(kafka, topic, run.partition, run.start, run.end)
+            ) as records:
+                for msg in records:
+                    batch.append(msg)
+                    if len(batch) >= self.file_records:
+                        offset = int(msg.offset())  # type: ignore[arg-type]
+                        file_start = self._write(topic, run, file_start, offset + 1, batch)
+                        batch = []
+        except ArchiveError as exc:
+            raise ArchiveError(
+                f"{exc} (nothing at or after offset {file_start} was archived)"
+            ) from None
+        if batch or file_start < run.end:
+            self._write(topic, run, file_start, run.end, batch)
+
+    def _committed_records(
+        self, kafka: KafkaResource, topic: str, partition: int, start: int, end: int
+    ) -> Generator[Message, None, None]:
+        """Every committed record of ``[start, end)``, in offset order; ``end`` must not be
+        above the partition's last stable offset.
+
+        librdkafka (read_committed) drops records of aborted transactions and transaction
+        markers and moves the consumer position past them, so the position reaches ``end``
+        even when the last offsets before it hold no committed record."""
         from confluent_kafka import Consumer, KafkaError, TopicPartition
 
         settings = kafka.settings
@@ -256,30 +435,29 @@ class Archive:
                 "enable.auto.commit": False,
                 "enable.auto.offset.store": False,
                 "enable.partition.eof": False,
-                # Spark's Kafka source reads uncommitted too: an archived range must read
-                # exactly like the same range read from Kafka.
-                "isolation.level": "read_uncommitted",
+                # Committed records only, as Spark's Kafka source reads them: an archived range
+                # reads exactly like the same range read from Kafka.
+                "isolation.level": ISOLATION,
+                # Offsets deleted while we read are an error, never a silent jump to the end
+                # (which would archive the range as empty).
+                "auto.offset.reset": "error",
             }
         )
-        tp = TopicPartition(topic, run.partition, run.start)
-        consumer.assign([tp])
-        file_start = run.start
-        batch: list[Message] = []
+        consumer.assign([TopicPartition(topic, partition, start)])
         idle_since = time.monotonic()
         try:
             while True:
-                position = consumer.position([TopicPartition(topic, run.partition)])[0].offset
-                if position >= run.end:
-                    break
+                position = consumer.position([TopicPartition(topic, partition)])[0].offset
+                if position >= end:
+                    return
                 msgs = consumer.consume(num_messages=5000, timeout=1.0)
                 if not msgs:
                     if time.monotonic() - idle_since > kafka.request_timeout_s:
                         raise ArchiveError(
-                            f"topic {topic!r} partition {run.partition}: no records after "
-                            f"offset {max(position, file_start)} for "
-                            f"{kafka.request_timeout_s:.0f} s while archiving up to {run.end} "
-                            f"from {settings.kafka.bootstrap_servers}; nothing after "
-                            f"{file_start} was archived; rerun the archiver"
+                            f"topic {topic!r} partition {partition}: no committed records after "
+                            f"offset {max(position, start)} for {kafka.request_timeout_s:.0f} s "
+                            f"while archiving up to {end} from "
+                            f"{settings.kafka.bootstrap_servers}; rerun the archiver"
                         )
                     continue
                 idle_since = time.monotonic()
@@ -289,65 +467,122 @@ class Archive:
                         if err.code() == KafkaError._PARTITION_EOF:
                             continue
                         raise ArchiveError(
-                            f"topic {topic!r} partition {run.partition}: Kafka error while "
-                            f"archiving from offset {file_start}: {err.str()}"
+                            f"topic {topic!r} partition {partition}: Kafka error while "
+                            f"archiving [{start}, {end}): {err.str()}"
                         )
                     offset = msg.offset()
-                    if offset is None or offset >= run.end:
+                    if offset is None or offset < start or offset >= end:
                         continue
-                    batch.append(msg)
-                    if len(batch) >= self.file_records:
-                        file_start = self._write(topic, run, file_start, offset + 1, batch)
-                        batch = []
-            if batch or file_start < run.end:
-                self._write(topic, run, file_start, run.end, batch)
+                    yield msg
         finally:
             consumer.close()
 
     def _write(
         self, topic: str, run: PartitionRun, start: int, end: int, msgs: list[Message]
     ) -> int:
-        """Write one file for ``[start, end)`` atomically; returns ``end``."""
-        columns: dict[str, list[Any]] = {name: [] for name in SCHEMA.names}
-        size = 0
-        for msg in msgs:
-            ts_type, ts = msg.timestamp()
-            key, value = msg.key(), msg.value()
-            columns["topic"].append(topic)
-            columns["partition"].append(run.partition)
-            columns["offset"].append(msg.offset())
-            columns["timestamp"].append(ts)
-            columns["timestampType"].append(_KAFKA_TS_TYPE.get(ts_type, -1))
-            columns["key"].append(key)
-            columns["value"].append(value)
-            headers: list[tuple[str, bytes | None]] | None = msg.headers()  # type: ignore[assignment]
-            columns["headers"].append(
-                None if headers is None else [{"key": k, "value": v} for k, v in headers]
-            )
-            size += len(key or b"") + len(value or b"")
-        stamps: list[int] = columns["timestamp"]
-        meta = {
-            "topic": topic,
-            "partition": run.partition,
-            "start": start,
-            "end": end,
-            "records": len(msgs),
-            "min_timestamp_ms": min(stamps) if stamps else None,
-            "max_timestamp_ms": max(stamps) if stamps else None,
-        }
-        schema = SCHEMA.with_metadata({b"backfill.archive": json.dumps(meta).encode()})
-        table = pa.Table.from_pydict(columns, schema=schema)
-        directory = self._dir(topic, run.partition)
+        """Write one new file for ``[start, end)`` atomically; returns ``end``."""
+        table, size = _table(topic, run.partition, start, end, msgs)
+        final = self._put(topic, run.partition, start, end, table)
+        self._committed.add(final)
+        run.records += len(msgs)
+        run.bytes += size
+        run.files.append(final)
+        return end
+
+    def _put(self, topic: str, partition: int, start: int, end: int, table: pa.Table) -> str:
+        """Write ``table`` as the file of ``[start, end)``: under a hidden temporary name, then
+        moved to its final name (replacing a file already there, atomically)."""
+        directory = self._dir(topic, partition)
         self.fs.create_dir(directory, recursive=True)
         final = f"{directory}/{start:020d}-{end:020d}.parquet"
         tmp = f"{directory}/.tmp-{uuid.uuid4().hex}.parquet"
         with self.fs.open_output_stream(tmp) as out:
             pq.write_table(table, out, compression="zstd")
         self.fs.move(tmp, final)
-        run.records += len(msgs)
-        run.bytes += size
-        run.files.append(final)
-        return end
+        return final
+
+
+def log_bounds(kafka: KafkaResource, topic: str) -> dict[int, tuple[int, int, int]]:
+    """Per partition: (log start offset, last stable offset, high watermark), from ListOffsets
+    (see :meth:`backfill_assets.resources.KafkaResource.log_ends`)."""
+    return kafka.log_ends(topic)
+
+
+def _list_offsets(
+    admin: AdminClient,
+    topic: str,
+    partitions: list[int],
+    *,
+    latest: bool,
+    committed: bool,
+    timeout_s: float,
+) -> dict[int, int]:
+    """ListOffsets: per partition the earliest or the latest offset. The latest offset is the
+    last stable offset when ``committed`` (isolation level read_committed), else the high
+    watermark (the request's default isolation level: every offset written)."""
+    from confluent_kafka import IsolationLevel, TopicPartition
+
+    # Re-exported by confluent_kafka.admin without an explicit export, untyped (2.16).
+    from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
+
+    spec = OffsetSpec.latest() if latest else OffsetSpec.earliest()  # type: ignore[no-untyped-call]
+    options: dict[str, Any] = {"request_timeout": timeout_s}
+    if committed:
+        options["isolation_level"] = IsolationLevel.READ_COMMITTED
+    futures = admin.list_offsets({TopicPartition(topic, p): spec for p in partitions}, **options)
+    return {tp.partition: int(future.result(timeout_s).offset) for tp, future in futures.items()}
+
+
+def _is_committed(meta: dict[str, Any]) -> bool:
+    return meta.get("isolation") == ISOLATION
+
+
+def _table(
+    topic: str, partition: int, start: int, end: int, msgs: list[Message]
+) -> tuple[pa.Table, int]:
+    """The file contents of ``[start, end)`` (schema metadata included) and its payload bytes."""
+    columns: dict[str, list[Any]] = {name: [] for name in SCHEMA.names}
+    size = 0
+    for msg in msgs:
+        ts_type, ts = msg.timestamp()
+        key, value = msg.key(), msg.value()
+        columns["topic"].append(topic)
+        columns["partition"].append(partition)
+        columns["offset"].append(msg.offset())
+        columns["timestamp"].append(ts)
+        columns["timestampType"].append(_KAFKA_TS_TYPE.get(ts_type, -1))
+        columns["key"].append(key)
+        columns["value"].append(value)
+        headers: list[tuple[str, bytes | None]] | None = msg.headers()  # type: ignore[assignment]
+        columns["headers"].append(
+            None if headers is None else [{"key": k, "value": v} for k, v in headers]
+        )
+        size += len(key or b"") + len(value or b"")
+    stamps: list[int] = columns["timestamp"]
+    meta = {
+        "topic": topic,
+        "partition": partition,
+        "start": start,
+        "end": end,
+        "records": len(msgs),
+        "min_timestamp_ms": min(stamps) if stamps else None,
+        "max_timestamp_ms": max(stamps) if stamps else None,
+        "isolation": ISOLATION,
+    }
+    schema = SCHEMA.with_metadata({_META_KEY: json.dumps(meta).encode()})
+    return pa.Table.from_pydict(columns, schema=schema), size
+
+
+def _is_subset(committed: pa.Table, legacy: pa.Table) -> bool:
+    """Whether every committed record is in the legacy file, identical (a read of every record
+    returned a superset of the committed ones: the legacy file may only hold more)."""
+    try:
+        legacy = legacy.select(SCHEMA.names).cast(SCHEMA)
+    except (KeyError, ValueError, pa.ArrowInvalid):
+        return False
+    keep = pc.is_in(legacy.column("offset"), value_set=committed.column("offset").combine_chunks())
+    kept = legacy.filter(keep).sort_by("offset")
+    return bool(kept.equals(committed.cast(SCHEMA).sort_by("offset")))
 
 
 def _filesystem(settings: Settings) -> tuple[pafs.FileSystem, str]:

@@ -1,10 +1,13 @@
 """The archiver: a Dagster asset per topic that copies new Kafka records to the archive, and
 an hourly schedule that runs it.
 
-Each run archives every partition from where its archive ends up to the high watermark seen
-when the run starts (see :mod:`backfill_assets.archive` for the layout and why each offset is
-archived exactly once), then appends one ``archive`` row to the audit table. Offsets that
-Kafka deleted before they were archived are reported, never hidden.
+Each run archives the committed records of every partition from where its archive ends up to
+the last stable offset seen when the run starts (see :mod:`backfill_assets.archive` for the
+layout and why each offset is archived exactly once), re-archives legacy files (written before
+the archive read committed records only) that Kafka still holds, then appends one ``archive``
+row to the audit table. Offsets that Kafka deleted before they were archived, offsets an open
+transaction holds back, and legacy files that can no longer be re-archived are reported, never
+hidden.
 
 (No ``from __future__ import annotations`` here: Dagster inspects the asset function's
 ``context`` annotation at definition time.)
@@ -53,14 +56,38 @@ def run_archiver(
         "lost_before_archiving": {
             str(r.partition): list(r.lost) for r in runs if r.lost is not None
         },
+        # [last stable offset, high watermark): archived by a later run, once the open
+        # transaction holding the LSO back has ended.
+        "waiting_for_transaction": {
+            str(r.partition): list(r.waiting_for_transaction)
+            for r in runs
+            if r.waiting_for_transaction is not None
+        },
+        # Legacy files replaced by their committed rewrite in this run.
+        "rearchived": {str(r.partition): r.rearchived for r in runs if r.rearchived},
+        # Legacy files readers refuse and no run can fix: Kafka deleted (some of) their offsets
+        # or holds other records there.
+        "unverifiable_legacy": {
+            str(r.partition): r.unverifiable_legacy for r in runs if r.unverifiable_legacy
+        },
+        # Legacy files reaching past the last stable offset: re-archived by a later run.
+        "legacy_waiting_for_transaction": {
+            str(r.partition): r.legacy_waiting for r in runs if r.legacy_waiting
+        },
     }
+    if summary["lost_before_archiving"]:
+        outcome = "lost_offsets"
+    elif summary["unverifiable_legacy"]:
+        outcome = "unverifiable_legacy"
+    else:
+        outcome = "ok"
     audit.append(
         iceberg.catalog(),
         settings.catalog.namespace,
         audit.AuditRecord(
             event="archive",
             table_name=f"archive/{spec.topic}",
-            outcome="lost_offsets" if summary["lost_before_archiving"] else "ok",
+            outcome=outcome,
             run_id=run_id,
             launched_by=launched_by,
             offsets=json.dumps(
@@ -70,7 +97,14 @@ def run_archiver(
             records_read=summary["records"],
             rows_written=summary["records"],
             detail=json.dumps(
-                {"files": summary["files"], "lost": summary["lost_before_archiving"]}
+                {
+                    "files": summary["files"],
+                    "lost": summary["lost_before_archiving"],
+                    "waiting_for_transaction": summary["waiting_for_transaction"],
+                    "rearchived": summary["rearchived"],
+                    "unverifiable_legacy": summary["unverifiable_legacy"],
+                    "legacy_waiting_for_transaction": summary["legacy_waiting_for_transaction"],
+                }
             ),
         ),
     )
@@ -104,6 +138,25 @@ def build_archive_asset(spec: TopicSpec) -> dg.AssetsDefinition:
                     f"{spec.topic} partition {r.partition}: offsets [{r.lost[0]}, {r.lost[1]}) "
                     "left Kafka before they were archived; they cannot be backfilled"
                 )
+            if r.waiting_for_transaction is not None:
+                lso, high = r.waiting_for_transaction
+                context.log.info(
+                    f"{spec.topic} partition {r.partition}: offsets [{lso}, {high}) wait for an "
+                    "open transaction; a later run archives them"
+                )
+            for legacy in r.rearchived:
+                context.log.info(
+                    f"{spec.topic} partition {r.partition}: re-archived legacy file "
+                    f"{legacy['file']} with committed records only ({legacy['records_before']} "
+                    f"-> {legacy['records_after']} records)"
+                )
+            for legacy in r.unverifiable_legacy:
+                context.log.warning(
+                    f"{spec.topic} partition {r.partition}: legacy file {legacy['file']} "
+                    "(written before the archive read committed records only) cannot be "
+                    "re-archived from Kafka; readers refuse it until an operator restores it "
+                    "from elsewhere or deletes it"
+                )
         context.log.info(
             f"archived {summary['records']} records in {summary['files']} files to "
             f"{summary['archive_uri']}"
@@ -115,6 +168,11 @@ def build_archive_asset(spec: TopicSpec) -> dg.AssetsDefinition:
                 "files": summary["files"],
                 "partitions": dg.MetadataValue.json(summary["partitions"]),
                 "lost_before_archiving": dg.MetadataValue.json(summary["lost_before_archiving"]),
+                "waiting_for_transaction": dg.MetadataValue.json(
+                    summary["waiting_for_transaction"]
+                ),
+                "rearchived": dg.MetadataValue.json(summary["rearchived"]),
+                "unverifiable_legacy": dg.MetadataValue.json(summary["unverifiable_legacy"]),
                 "archive_uri": summary["archive_uri"],
             }
         )

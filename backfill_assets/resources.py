@@ -78,10 +78,12 @@ class KafkaResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         admin = self.admin()
         out: dict[int, list[int]] = {p: [0, 0, 0] for p in parts}
         earliest, latest = OffsetSpec.earliest(), OffsetSpec.latest()  # type: ignore[no-untyped-call]
+        # The high watermark is asked first, so an LSO below it means a transaction really
+        # held it back (records arriving in between can only raise the LSO).
         for slot, spec, level in (
-            (0, earliest, IsolationLevel.READ_COMMITTED),
-            (1, latest, IsolationLevel.READ_COMMITTED),
             (2, latest, IsolationLevel.READ_UNCOMMITTED),
+            (1, latest, IsolationLevel.READ_COMMITTED),
+            (0, earliest, IsolationLevel.READ_COMMITTED),
         ):
             futures = admin.list_offsets(
                 {TopicPartition(topic, p): spec for p in parts},
