@@ -15,11 +15,13 @@ from typing import Any
 import dagster as dg
 from confluent_kafka import Consumer, TopicPartition
 
+from backfill_assets import catalog, ledger
 from backfill_assets.archive import Archive
 from backfill_assets.assets import BACKFILL_POLICY, hourly_asset_key, raw_asset_key
 from backfill_assets.replay import OffsetContract, offset_contract
 from backfill_assets.resources import KafkaResource
 from backfill_assets.spec import TopicSpec
+from backfill_assets.windows import WindowError, WindowNotSealed
 
 SAMPLE_RECORDS = 2000
 # Fixed cost of one run (process, Spark session, branch, checks, publish), used until history
@@ -72,6 +74,8 @@ class Plan:
     bytes_written_estimate: int
     files_estimate: int
     scorecard: list[Score] = field(default_factory=list)
+    # Why the range cannot be mapped to offsets now (a run would refuse), or None.
+    blocked: str | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -94,6 +98,16 @@ class Plan:
         return text
 
     def human(self) -> str:
+        if self.blocked is not None:
+            lines = [
+                f"Backfill plan: topic {self.topic!r} -> {', '.join(self.target_tables)}",
+                f"  range        {self.start} .. {self.end} ({self.partitions} hourly partitions)",
+                "  BLOCKED      a run of this range would refuse and write nothing:",
+                f"    {self.blocked}",
+                "  readiness",
+            ]
+            lines += [f"    {s.color:<6} {s.dimension:<10} {s.reason}" for s in self.scorecard]
+            return "\n".join(lines)
         lines = [
             f"Backfill plan: topic {self.topic!r} -> {', '.join(self.target_tables)}",
             f"  range        {self.start} .. {self.end} ({self.partitions} hourly partitions)",
@@ -138,8 +152,26 @@ def make_plan(
     window: timedelta | None = None,
 ) -> Plan:
     partitions = int((end - start) / timedelta(hours=1))
-    contract = offset_contract(kafka, spec.topic, start, end, archive=Archive(kafka.settings))
-    missing = {str(p): [s, e] for p, (s, e) in contract.missing.items()}
+    settings = kafka.settings
+    published = ledger.published_offsets(
+        catalog.load(settings.catalog),
+        settings.catalog.namespace,
+        f"{settings.catalog.name}.{settings.catalog.namespace}.{spec.raw_table}",
+    )
+    try:
+        contract = offset_contract(
+            kafka,
+            spec.topic,
+            start,
+            end,
+            archive=Archive(settings),
+            published=published,
+            seal_grace=timedelta(seconds=settings.seal_grace_s),
+        )
+    except (WindowError, WindowNotSealed) as err:
+        missing_ranges = err.missing if isinstance(err, WindowError) else {}
+        return _blocked(spec, start, end, partitions, concurrency, window, str(err), missing_ranges)
+    missing: dict[str, list[int]] = {}
     sample = _sample(kafka, contract)
     history = _history(instance, raw_asset_key(spec)) if instance is not None else {}
     per_run_history = list(history.values())[:20]
@@ -201,6 +233,61 @@ def make_plan(
     return plan
 
 
+def _blocked(
+    spec: TopicSpec,
+    start: datetime,
+    end: datetime,
+    partitions: int,
+    concurrency: int,
+    window: timedelta | None,
+    reason: str,
+    missing: dict[int, tuple[int, int]],
+) -> Plan:
+    """The plan of a range a run would refuse: no offsets, no estimate, a red scorecard."""
+    plan = Plan(
+        topic=spec.topic,
+        target_tables=[spec.raw_table, f"{spec.topic}_hourly", f"{spec.topic}_current"],
+        start=start.isoformat(),
+        end=end.isoformat(),
+        partitions=partitions,
+        offsets={},
+        records=0,
+        estimated_bytes=0,
+        schema_versions_seen=[],
+        unknown_versions_seen=[],
+        expected_rows_at_most=0,
+        all_in_kafka=False,
+        missing_offsets={str(p): [s, e] for p, (s, e) in sorted(missing.items())},
+        records_from_archive=0,
+        records_from_kafka=0,
+        archive_offsets={},
+        drain_rate_records_per_s=0.0,
+        run_overhead_s=0.0,
+        rate_source="not estimated: the range cannot be mapped to offsets",
+        runs=0,
+        concurrency=concurrency,
+        predicted_duration_s=0.0,
+        window_s=window.total_seconds() if window is not None else None,
+        fits_window=None,
+        bytes_written_estimate=0,
+        files_estimate=0,
+        blocked=reason,
+    )
+    plan.scorecard = [Score("scope", "red", reason)]
+    if missing:
+        plan.scorecard.append(_missing_score(plan))
+    return plan
+
+
+def _missing_score(plan: Plan) -> Score:
+    return Score(
+        "closure",
+        "red",
+        "offsets deleted by retention and not archived (the run would refuse): "
+        + ", ".join(f"p{p}:[{s},{e})" for p, (s, e) in plan.missing_offsets.items()),
+    )
+
+
 def _scorecard(plan: Plan, spec: TopicSpec, end: datetime) -> list[Score]:
     scores = []
     if plan.records == 0:
@@ -253,14 +340,7 @@ def _scorecard(plan: Plan, spec: TopicSpec, end: datetime) -> list[Score]:
         )
     )
     if plan.missing_offsets:
-        scores.append(
-            Score(
-                "closure",
-                "red",
-                "offsets deleted by retention and not archived (the run would refuse): "
-                + ", ".join(f"p{p}:[{s},{e})" for p, (s, e) in plan.missing_offsets.items()),
-            )
-        )
+        scores.append(_missing_score(plan))
     elif plan.all_in_kafka:
         scores.append(Score("closure", "green", "every offset of the range is still in Kafka"))
     else:
@@ -317,7 +397,7 @@ def _sample_archive(kafka: KafkaResource, contract: OffsetContract) -> dict[str,
     began = time.monotonic()
     count, size, versions = 0, 0, set()
     for p, (s, e) in sorted(contract.archive_ranges.items()):
-        if count >= SAMPLE_RECORDS or contract.missing:
+        if count >= SAMPLE_RECORDS:
             break
         table = store.read_records(contract.topic, p, s, min(e, s + SAMPLE_RECORDS - count))
         for key, value in zip(

@@ -115,13 +115,19 @@ class OffsetContract:
     # Per partition, Kafka's log start offset when the contract was made: offsets below it
     # are read from the archive (empty: everything from Kafka).
     kafka_start: dict[int, int] = field(default_factory=dict)
-    # Offsets the window may include that are neither in Kafka nor in the archive.
-    missing: dict[int, tuple[int, int]] = field(default_factory=dict)
     # The per-hour windows and Kafka's own figures for them (None for ad-hoc contracts).
     windows: Windows | None = None
 
     @property
     def records(self) -> int:
+        """Committed records (Kafka's own count) when the windows are known, else offsets
+        (which include aborted records and transaction markers)."""
+        if self.windows is not None:
+            return self.windows.records
+        return self.offsets
+
+    @property
+    def offsets(self) -> int:
         return sum(e - s for s, e in self.ranges.values())
 
     @property
@@ -246,25 +252,7 @@ def offset_contract(
     windows = scan(
         kafka, topic, start, end, published=published, archive=archive, seal_grace=seal_grace
     )
-    return OffsetContract(topic, start, end, windows.ranges, windows.kafka_start, {}, windows)
-
-
-def require_complete(contract: OffsetContract, archive_uri: str) -> None:
-    """Raise, naming every missing offset range, if the contract cannot be read completely."""
-    if not contract.missing:
-        return
-    gaps = "; ".join(
-        f"partition {p} offsets [{s}, {e}) (Kafka log start {contract.kafka_start.get(p, 0)})"
-        for p, (s, e) in sorted(contract.missing.items())
-    )
-    raise ReplayError(
-        f"topic {contract.topic!r} window {contract.start.isoformat()}..{contract.end.isoformat()}"
-        f": {gaps} are neither in Kafka nor in the archive at {archive_uri}, and the window may "
-        "include them. Nothing was written or published. If these offsets were archived "
-        "elsewhere, point BACKFILL_ARCHIVE_URI there; otherwise they are gone: see "
-        f"`backfill-assets plan --topic {contract.topic} --start ... --end ...` for a window "
-        "that is complete."
-    )
+    return OffsetContract(topic, start, end, windows.ranges, windows.kafka_start, windows)
 
 
 def read_contract(spark: SparkSession, settings: Settings, contract: OffsetContract) -> DataFrame:
@@ -595,7 +583,6 @@ def replay_to_branch(
         published=published,
         seal_grace=timedelta(seconds=settings.seal_grace_s),
     )
-    require_complete(contract, settings.archive_uri)
     assert contract.windows is not None
     chunks: list[DataFrame] = []
     if settings.replay_max_records_per_s:

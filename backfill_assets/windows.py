@@ -50,7 +50,14 @@ class WindowNotSealed(BackfillError):
 
 
 class WindowError(BackfillError):
-    """The range cannot be mapped to offsets (missing history, a broken chain)."""
+    """The range cannot be mapped to offsets (missing history, a broken chain).
+
+    ``missing`` holds, per partition, the offsets the range may include that are neither in
+    Kafka nor in the archive (empty for other causes)."""
+
+    def __init__(self, message: str, missing: Mapping[int, tuple[int, int]] | None = None):
+        super().__init__(message)
+        self.missing: dict[int, tuple[int, int]] = dict(missing or {})
 
 
 def record_hash(partition: int, offset: int, key: bytes | None, value: bytes | None) -> int:
@@ -187,11 +194,20 @@ class _Cursor:
     def bound(self, i: int) -> int | None:
         return self.fixed.get(i, self.found.get(i))
 
+    def cap(self, i: int) -> int | None:
+        """The nearest known boundary after ``i``: boundary ``i`` cannot lie beyond it."""
+        for j in range(i + 1, len(self.bounds)):
+            known = self.bound(j)
+            if known is not None:
+                return known
+        return None
+
     @property
     def done(self) -> bool:
         last = len(self.bounds) - 1
         end = self.bound(last)
-        return end is not None and self.position >= end
+        known = all(self.bound(i) is not None for i in range(last + 1))
+        return known and end is not None and self.position >= end
 
     def feed(
         self,
@@ -214,7 +230,12 @@ class _Cursor:
             elif ts_ms >= _ms(self.bounds[nxt]):
                 self.found[nxt] = offset
             else:
-                break
+                # No record reached the bound before a later boundary the ledger fixes:
+                # the boundary is that one (the hour between is empty in this partition).
+                cap = self.cap(nxt)
+                if cap is None or offset < cap:
+                    break
+                self.found[nxt] = cap
             self.index = nxt
         if 0 <= self.index < last:
             cell = cells[self.index]
@@ -259,19 +280,22 @@ def scan(
     for p in parts:
         fixed: dict[int, int] = {}
         for i, t in enumerate(bounds):
-            here = published.get(t, {})
-            before = published.get(t - HOUR, {})
-            if p in here:
+            here = published.get(t)
+            before = published.get(t - HOUR)
+            if here is not None and p in here:
                 fixed[i] = here[p][0]
-            elif p in before:
+            elif before is not None and p in before:
                 fixed[i] = before[p][1]
-            elif before and p not in before and i == 0:
-                fixed[i] = 0  # created after the previous hour was sealed
+            elif here is not None or before is not None:
+                # Absent from a published hour: the partition did not exist when that hour
+                # was sealed, so all its records come after it (its chain starts at 0).
+                fixed[i] = 0
         cursors[p] = _Cursor(p, bounds, fixed)
     cells: dict[int, list[Cell | None]] = {p: [None] * (len(bounds) - 1) for p in parts}
 
     # Where reading starts: the fixed first boundary, or the broker's hint for it.
     hints = _hints(kafka, topic, [p for p in parts if 0 not in cursors[p].fixed], bounds[0])
+    missing: dict[int, tuple[int, int]] = {}
     for p in parts:
         low, lso, _hw = ends[p]
         cur = cursors[p]
@@ -286,7 +310,24 @@ def scan(
                 found = archive.first_offset_at(topic, p, _ms(bounds[0]), below=low)
                 if found is not None:
                     cur.position = found
-        _require_history(topic, p, cur.position, low, archive, start)
+        hole = _unknown(cur.position, low, archive.coverage(topic, p) if archive else [])
+        if hole is not None:
+            missing[p] = hole
+    if missing:
+        gaps = "; ".join(
+            f"partition {p} offsets [{s}, {e}) (Kafka log start {ends[p][0]})"
+            for p, (s, e) in sorted(missing.items())
+        )
+        where = archive.uri if archive is not None else "(no archive configured)"
+        raise WindowError(
+            f"topic {topic!r} window {start.isoformat()}..{end.isoformat()}: {gaps} are "
+            f"neither in Kafka nor in the archive at {where}, and the window may include them. "
+            "Nothing was written or published. If they were archived elsewhere, point "
+            "BACKFILL_ARCHIVE_URI there; otherwise they are gone: "
+            f"`backfill-assets plan --topic {topic} --start ... --end ...` shows what is "
+            "complete.",
+            missing,
+        )
     # Archived part first (offsets below the log start), then Kafka, each in offset order.
     for p in parts:
         low = ends[p][0]
@@ -315,7 +356,7 @@ def scan(
                     f"topic {topic!r} partition {p}: new records arrived while reading; "
                     "retry the run"
                 )
-            if lso != hw:
+            if lso < hw:
                 raise WindowNotSealed(
                     f"topic {topic!r} partition {p}: hour {bounds[max(i - 1, 0)].isoformat()} is "
                     f"not sealed: no committed record at or after {bounds[i].isoformat()} yet, "
@@ -330,7 +371,8 @@ def scan(
                     f"{int(seal_grace.total_seconds())} s after the hour ends if the partition "
                     "stays idle (BACKFILL_SEAL_GRACE_S). The run wrote nothing; retry later."
                 )
-            cur.found[i] = lso
+            cap = cur.cap(i)
+            cur.found[i] = lso if cap is None else min(lso, cap)
     out: dict[datetime, dict[int, Cell]] = {}
     for i, hour in enumerate(bounds[:-1]):
         row: dict[int, Cell] = {}
@@ -431,26 +473,25 @@ def _hints(kafka: KafkaResource, topic: str, parts: list[int], at: datetime) -> 
         consumer.close()
 
 
-def _require_history(
-    topic: str, partition: int, position: int, low: int, archive: Archive | None, start: datetime
-) -> None:
-    """Refuse a window that may include offsets neither Kafka nor the archive holds: below
-    the log start, a hole in the archive right before ``position`` (its records' timestamps
-    are unknown, so the window may begin inside it) or between ``position`` and ``low``."""
+def _unknown(position: int, low: int, covered: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """The offsets below Kafka's log start ``low`` that a window read from ``position`` may
+    include but neither Kafka nor the archive (``covered`` ranges) holds, or None.
+
+    Reading from ``position`` needs every offset of ``[position, low)`` and the record just
+    below ``position``: if that one is unknown, so is its timestamp, and the window may begin
+    inside the unknown offsets.
+    """
     if low == 0 or position > low:
-        return
-    covered = archive.coverage(topic, partition) if archive is not None else []
-    need_from = position if position < low else max(low - 1, 0)
-    if any(s <= need_from and low <= e for s, e in covered):
-        return
-    where = archive.uri if archive is not None else "(no archive)"
-    raise WindowError(
-        f"topic {topic!r} partition {partition}: the window of {start.isoformat()} may include "
-        f"offsets [{need_from}, {low}), which are neither in Kafka (log start offset {low}) "
-        f"nor in the archive at {where}. Nothing was written or published. If they were "
-        "archived elsewhere, point BACKFILL_ARCHIVE_URI there; otherwise they are gone: "
-        f"`backfill-assets plan --topic {topic} --start ... --end ...` shows a complete range."
-    )
+        return None
+    at = max(position - 1, 0)
+    for s, e in sorted(r for r in covered if r[1] > r[0]):
+        if s <= at < e:
+            at = e
+    if at >= low:
+        return None
+    start = max((e for _s, e in covered if e <= at), default=0)
+    end = min([s for s, _e in covered if s > at] + [low])
+    return (start, end)
 
 
 def _archived(
