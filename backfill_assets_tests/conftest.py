@@ -25,6 +25,12 @@ from backfill_assets import jars
 from backfill_assets.broker import LocalBroker
 from backfill_assets.settings import REPO_ROOT, Settings
 
+# The suite runs as on a laptop that is not on UTC (issue 11: naive datetimes were read in the
+# local zone and overwrote the wrong hours). Set before any Spark JVM or Python worker starts,
+# so both inherit it; BACKFILL_TEST_TZ picks another zone (CI also runs one module in Berlin).
+os.environ["TZ"] = os.environ.get("BACKFILL_TEST_TZ", "America/New_York")
+time.tzset()
+
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
     from pyspark.sql import SparkSession

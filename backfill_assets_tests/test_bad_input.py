@@ -3,9 +3,9 @@
 A corpus of valid and bad records is produced to a fresh topic (two partitions, two hours of
 2026-02-10, explicit CreateTime timestamps) and backfilled through Dagster. Each record, found by
 (partition, offset), must end up exactly where the rule below says: a table row, a quarantine row
-with that exact reason (holding the record's exact key and value bytes), or, for a repeated event
-id, nowhere but the ``duplicates`` count. Read == written + quarantined + duplicates must hold per
-hour and in total, in the asset's metadata and in the checks' metadata.
+with that exact reason (holding the record's exact key and value bytes). Nothing is read and
+then left out: read == written + quarantined must hold per hour and in total, in the asset's
+metadata and in the checks' metadata, where "read" is Kafka's own count of committed records.
 
 The rules (first match wins; :data:`backfill_assets.replay.QUARANTINE_RULES`):
 
@@ -45,9 +45,11 @@ The rules (first match wins; :data:`backfill_assets.replay.QUARANTINE_RULES`):
   string).
 * **headers** (binary values, non-UTF-8 bytes, repeated names, empty names, NULL values) are
   not read and never change a record's disposition.
-* **duplicates** (same event id): the lowest (partition, offset) among the table rows is kept,
-  the others are counted in ``duplicates``. A quarantined copy does not count: a valid later copy
-  of a quarantined event is a row.
+* **duplicates** (same event id): the raw table is the committed log, so every copy is a row
+  (re-running any sub-range must give the same rows); the asset counts repeated ids in
+  ``resent_event_ids`` (and ids whose copies differ in ``conflicting_event_ids``). The derived
+  tables apply the duplicates rule (:mod:`backfill_assets.derived`). A quarantined copy is not a
+  row: a valid later copy of a quarantined event is.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ HOUR0 = datetime(2026, 2, 10, 5, tzinfo=UTC)
 HOURS = [HOUR0.isoformat(), HOUR0.replace(hour=6).isoformat()]
 RANGE = ("2026-02-10-05:00", "2026-02-10-06:00")  # inclusive: both hours, one run
 MAX_BYTES = 4 * 1024 * 1024  # topic max.message.bytes and producer message.max.bytes
-ROW, DUP = "row", "duplicate"
+ROW, DUP = "row", "row (repeated event id)"
 BIG_KEY = b"\xff\xfe\x00\x01binary-key"
 
 
@@ -350,8 +352,8 @@ def test_every_record_has_its_exact_disposition(world: World) -> None:
         elif where in world.quarantine:
             got[rec.label] = "q:" + world.quarantine[where]["reason"]
         else:
-            got[rec.label] = DUP
-    assert got == {r.label: r.expect for r in world.recs}
+            got[rec.label] = "lost"
+    assert got == {r.label: ROW if r.expect == DUP else r.expect for r in world.recs}
     produced = {(r.partition, r.offset) for r in world.recs}
     assert set(world.rows) <= produced and set(world.quarantine) <= produced
 
@@ -374,9 +376,10 @@ def test_quarantine_keeps_exact_bytes_and_rows_keep_binary_keys(world: World) ->
         assert world.rows[(rec.partition, rec.offset)]["amount_minor"] == 500, label
     v1 = world.rows[(by_label["v1ok"].partition, by_label["v1ok"].offset)]
     assert (v1["amount_minor"], v1["channel"], v1["schema_version"]) == (1234, "unknown", 1)
-    # The surviving copy of a duplicated event is the lowest (partition, offset).
-    first = by_label["dup_first"]
-    assert world.rows[(first.partition, first.offset)]["event_id"] == "ev-dup"
+    # Every copy of a repeated event is a row, with its own offset.
+    for label in ("dup_first", "dup_again", "dup_next_hour", "dup_other_partition"):
+        rec = by_label[label]
+        assert world.rows[(rec.partition, rec.offset)]["event_id"] == "ev-dup", label
 
 
 def test_odd_headers_reached_kafka(world: World, stack_settings: Settings) -> None:
@@ -397,17 +400,15 @@ def test_odd_headers_reached_kafka(world: World, stack_settings: Settings) -> No
 
 def test_counts_reconcile_per_hour_and_in_total(world: World) -> None:
     expected: dict[str, dict[str, int]] = {
-        h: {"read": 0, "written": 0, "quarantined": 0, "duplicates": 0} for h in HOURS
+        h: {"read": 0, "written": 0, "quarantined": 0} for h in HOURS
     }
     for rec in world.recs:
         hour = expected[HOURS[rec.hour]]
         hour["read"] += 1
-        kind = {ROW: "written", DUP: "duplicates"}.get(rec.expect, "quarantined")
-        hour[kind] += 1
-    for hour in expected.values():
-        assert hour["read"] == hour["written"] + hour["quarantined"] + hour["duplicates"]
+        hour["written" if rec.expect in (ROW, DUP) else "quarantined"] += 1
     total = {k: sum(h[k] for h in expected.values()) for k in expected[HOURS[0]]}
-    assert total["read"] == len(world.recs)
+    assert total["read"] == len(world.recs) == total["written"] + total["quarantined"]
+    repeated = sum(1 for r in world.recs if r.expect == DUP)
 
     (mat,) = [e.materialization for e in world.result.get_asset_materialization_events()][-1:]
     meta: dict[str, Any] = {k: v.value for k, v in mat.metadata.items()}
@@ -415,21 +416,23 @@ def test_counts_reconcile_per_hour_and_in_total(world: World) -> None:
         meta["records_read"],
         meta["rows_written"],
         meta["quarantined"],
-        meta["duplicates"],
-    ) == (total["read"], total["written"], total["quarantined"], total["duplicates"])
-    assert meta["records_read"] == meta["rows_written"] + meta["quarantined"] + meta["duplicates"]
+        meta["resent_event_ids"],
+        meta["conflicting_event_ids"],
+    ) == (total["read"], total["written"], total["quarantined"], repeated, 0)
 
     evaluations = {e.check_name: e for e in world.result.get_asset_check_evaluations()}
     recon: dict[str, Any] = {
         k: v.value for k, v in evaluations["count_reconciliation"].metadata.items()
     }
-    assert recon["per_hour"] == expected
-    assert (recon["records_read"], recon["quarantined"], recon["duplicates"]) == (
+    assert recon["per_hour"] == {
+        h: {"kafka_committed": v["read"], "rows": v["written"], "quarantined": v["quarantined"]}
+        for h, v in expected.items()
+    }
+    assert (recon["kafka_committed_records"], recon["quarantined"], recon["rows_on_branch"]) == (
         total["read"],
         total["quarantined"],
-        total["duplicates"],
+        total["written"],
     )
-    assert recon["rows_on_branch"] == recon["expected_rows"] == total["written"]
     assert len(world.rows) == total["written"]
     assert len(world.quarantine) == total["quarantined"]
     reasons = evaluations["quarantine_ratio"].metadata["reasons"].value

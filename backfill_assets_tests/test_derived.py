@@ -77,7 +77,7 @@ def test_hourly_aggregate_equals_ground_truth(world: World, spark_session: Spark
     assert result.success, result.all_events
     rows = spark_session.table(f"{world.ns}.{hourly_table(world.spec)}").collect()
     got = {
-        (r["event_hour"].replace(tzinfo=UTC).isoformat(), r["currency"]): (
+        (r["event_hour"].astimezone(UTC).isoformat(), r["currency"]): (
             r["events"],
             r["amount_minor"],
         )
@@ -97,7 +97,7 @@ def test_hourly_aggregate_equals_ground_truth(world: World, spark_session: Spark
     assert again.success, again.all_events
     rows = spark_session.table(f"{world.ns}.{hourly_table(world.spec)}").collect()
     assert {
-        (r["event_hour"].replace(tzinfo=UTC).isoformat(), r["currency"]): (
+        (r["event_hour"].astimezone(UTC).isoformat(), r["currency"]): (
             r["events"],
             r["amount_minor"],
         )

@@ -295,7 +295,7 @@ def _main_state(spark: SparkSession, world: World) -> MainState:
         F.collect_set(F.date_trunc("hour", "kafka_timestamp")).alias("h"),
     ).first()
     assert row is not None
-    hours = frozenset(h.replace(tzinfo=UTC).isoformat() for h in row["h"])
+    hours = frozenset(h.astimezone(UTC).isoformat() for h in row["h"])
     return MainState(snap, int(row["n"]), int(row["c"]), hours)
 
 
@@ -310,7 +310,7 @@ def _per_hour(spark: SparkSession, table: str, spec: TopicSpec) -> dict[str, tup
         .agg(F.count("*").alias("n"), checksum_expr(spec).alias("c"))
         .collect()
     )
-    return {r["h"].replace(tzinfo=UTC).isoformat(): (int(r["n"]), int(r["c"])) for r in rows}
+    return {r["h"].astimezone(UTC).isoformat(): (int(r["n"]), int(r["c"])) for r in rows}
 
 
 def _assert_clean(spark: SparkSession, world: World, hours: set[str]) -> MainState:

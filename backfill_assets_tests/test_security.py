@@ -64,6 +64,7 @@ def test_sasl_ssl_scram_reaches_both_clients() -> None:
         "ssl.ca.location": "/etc/backfill/kafka/ca.pem",
     }
     assert s.kafka.spark_options() == {
+        "kafka.isolation.level": "read_committed",
         "kafka.bootstrap.servers": "b-1.example:9096,b-2.example:9096",
         "kafka.security.protocol": "SASL_SSL",
         "kafka.sasl.mechanism": "SCRAM-SHA-512",
@@ -93,6 +94,7 @@ def test_sasl_plaintext_plain_reaches_both_clients() -> None:
     # Quotes and backslashes are escaped for Kafka's JAAS parser (the real-broker test below
     # proves Spark's Java client authenticates with such a password).
     assert s.kafka.spark_options() == {
+        "kafka.isolation.level": "read_committed",
         "kafka.bootstrap.servers": "127.0.0.1:29092",
         "kafka.security.protocol": "SASL_PLAINTEXT",
         "kafka.sasl.mechanism": "PLAIN",
