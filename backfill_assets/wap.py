@@ -98,6 +98,11 @@ def publish(
             f"CALL {catalog_name}.system.fast_forward('{namespace_table}', 'main', '{branch.name}')"
         ).collect()
     except Exception as exc:  # a Spark/Iceberg error: the catalog commit did not happen
+        # Another run may have fast-forwarded main between the check above and this commit
+        # (the catalog refuses a fast-forward from a main that moved): judge that run's window.
+        moved_to = ref_snapshot_id(spark, branch.table, "main")
+        if moved_to != main_now and moved_to != branch.main_before:
+            _moved(spark, branch, moved_to, window)
         raise PublishError(
             f"could not fast-forward main of {branch.table} to branch {branch.name!r}: "
             f"{str(exc).splitlines()[0]}. Main is unchanged; re-run the backfill."
