@@ -352,6 +352,51 @@ def test_disjoint_runs_publish_concurrently_and_overlaps_name_the_run(
     assert _table_rows(spark_session, world.table) == world.rows
 
 
+def test_an_open_transaction_holds_the_hour_until_it_ends(
+    stack_settings: Settings, spark_session: SparkSession
+) -> None:
+    """A partition whose next committed record is behind an open transaction cannot seal the
+    hour: the run fails retryably, naming the partition and the transaction, and writes
+    nothing. Once the transaction commits, the same run publishes, its record included."""
+    topic = f"opentxn_{uuid.uuid4().hex[:8]}"
+    spec = dataclasses.replace(SPECS[0], topic=topic)
+    assets = build_topic_assets(spec)
+    config = hostile.HostileConfig(
+        start=START, topic=topic, partitions=2, hours=2, events_per_hour=10, seed=3
+    )
+    truth = hostile.produce(stack_settings, config)
+    _wait_stable(stack_settings, topic)
+    # Hours 0-1 hold the history (stamped below 02:00:35 at most): hour 2 has no committed
+    # record yet, and only the open transaction's record will be in it.
+    assert _materialize(assets, ["raw"], HOURS[0], HOURS[1]).success
+    table = f"lake.{stack_settings.catalog.namespace}.{spec.raw_table}"
+    main_before = _main_snapshot(spark_session, table)
+
+    pending = hostile.open_transaction(stack_settings, topic, 0, HOURS[2] + timedelta(minutes=50))
+    try:
+        held = _materialize(assets, ["raw"], HOURS[2], HOURS[2])
+        assert not held.success
+        message = _failed(held)
+        assert "WindowNotSealed" in message and "partition 0" in message
+        assert "a transaction is open" in message and "retry" in message
+        assert _main_snapshot(spark_session, table) == main_before
+        record = pending.commit()
+    except BaseException:
+        pending.abort()
+        raise
+    _wait_stable(stack_settings, topic)
+    done = _materialize(assets, ["raw"], HOURS[2], HOURS[2])
+    assert done.success, _failed(done)
+    rows = {
+        (r[0], r[1])
+        for r in spark_session.table(table).select("kafka_partition", "kafka_offset").collect()
+    }
+    committed = {r.position for r in truth.committed()}
+    assert record.position in rows
+    assert rows - {record.position} <= committed
+    assert not {r.position for r in truth.aborted()} & rows
+
+
 # ---------------------------------------------------------------------------------------------
 # Mutation tests: each check must block the fault it exists to catch. A mutation is applied
 # to the run's branch right after its write (backfill_assets.faults.branch_mutation).

@@ -108,7 +108,9 @@ def _h(hour: int) -> str:
     return (START + timedelta(hours=hour)).strftime("%Y-%m-%d-%H:%M")
 
 
-def test_gaps_rollbacks_and_late_data(world: World, stack_settings: Settings) -> None:
+def test_gaps_rollbacks_and_late_data(
+    world: World, stack_settings: Settings, spark_session: SparkSession
+) -> None:
     raw = f"raw/{world.spec.topic}"
     current = f"lakehouse/{world.spec.topic}_current"
     hourly = f"lakehouse/{world.spec.topic}_hourly"
@@ -152,6 +154,48 @@ def test_gaps_rollbacks_and_late_data(world: World, stack_settings: Settings) ->
     assert _tick(world, "late") == []
     _run(world, [hourly], _h(1), _h(1))
     assert _tick(world, "late") == []
+
+    # Event hours 6, 7 and 9 also read Kafka hour 9 (allowed lateness 3 h): they are due now
+    # (hour 8 holds no records and is never due).
+    assert _tick(world, "gap") == [
+        ("hourly", [hourly], _h(6), _h(7)),
+        ("hourly", [hourly], _h(9), _h(9)),
+    ]
+    _run(world, [hourly], _h(6), _h(7))
+    _run(world, [hourly], _h(9), _h(9))
+    assert _tick(world, "gap") == []
+    assert _tick(world, "late") == []
+
+    # 6. Table maintenance: coverage comes from the ledger, so expiring every snapshot but the
+    # newest of each table leaves nothing for the sensors to request.
+    _expire_snapshots(world, stack_settings, spark_session)
+    assert _tick(world, "gap") == []
+    assert _tick(world, "late") == []
+
+
+def _expire_snapshots(world: World, stack_settings: Settings, spark_session: SparkSession) -> None:
+    from backfill_assets import ledger
+
+    ns = stack_settings.catalog.namespace
+    raw_table = f"lake.{ns}.{world.spec.raw_table}"
+    oldest = ledger.publishes(catalog.load(stack_settings.catalog), ns, raw_table)[0]
+    cutoff = (datetime.now(UTC) + timedelta(seconds=1)).strftime("%Y-%m-%d %H:%M:%S")
+    for table in (
+        world.spec.raw_table,
+        f"{world.spec.topic}_current",
+        f"{world.spec.topic}_hourly",
+    ):
+        before = spark_session.sql(f"SELECT snapshot_id FROM lake.{ns}.{table}.snapshots").count()
+        spark_session.sql(
+            f"CALL lake.system.expire_snapshots(table => '{ns}.{table}', "
+            f"older_than => TIMESTAMP '{cutoff}', retain_last => 1)"
+        ).collect()
+        after = spark_session.sql(f"SELECT snapshot_id FROM lake.{ns}.{table}.snapshots").count()
+        assert after < before, table
+    ids = {
+        r[0] for r in spark_session.sql(f"SELECT snapshot_id FROM {raw_table}.snapshots").collect()
+    }
+    assert oldest.snapshot_id not in ids, "the first publish's snapshot was expired"
 
 
 def _produce_late(
