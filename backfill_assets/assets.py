@@ -413,7 +413,9 @@ def _derive_body(
 
     def rebase(attempt: int) -> tuple[wap.Branch, list[checks.CheckOutcome]]:
         again = run(attempt)
-        session.sql(f"ALTER TABLE {table} DROP BRANCH IF EXISTS `{outcome.branch.name}`")
+        wap.ref_sql(
+            session, table, f"ALTER TABLE {table} DROP BRANCH IF EXISTS `{outcome.branch.name}`"
+        )
         outcome.branch, outcome.checks, outcome.metadata = (
             again.branch,
             again.checks,

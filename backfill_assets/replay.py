@@ -33,7 +33,7 @@ from backfill_assets import faults, ledger
 from backfill_assets.archive import Archive
 from backfill_assets.errors import BackfillError
 from backfill_assets.spec import TopicSpec
-from backfill_assets.wap import SUMMARY_PREFIX, Branch, open_branch
+from backfill_assets.wap import SUMMARY_PREFIX, Branch, open_branch, ref_sql
 from backfill_assets.windows import Windows, scan
 
 if TYPE_CHECKING:
@@ -711,5 +711,5 @@ def reapply(spark: SparkSession, outcome: ReplayOutcome, attempt: int) -> Branch
         writer.overwrite(window_filter(outcome.contract))
     finally:
         rows.unpersist()
-    spark.sql(f"ALTER TABLE {old.table} DROP BRANCH IF EXISTS `{old.name}`")
+    ref_sql(spark, old.table, f"ALTER TABLE {old.table} DROP BRANCH IF EXISTS `{old.name}`")
     return branch

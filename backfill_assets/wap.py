@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -65,7 +66,11 @@ def open_branch(spark: SparkSession, table: str, run_id: str, attempt: int = 0) 
         _java_table(spark, table).newFastAppend().set(SUMMARY_PREFIX + "init", "true").commit()
         main_before = ref_snapshot_id(spark, table, "main")
     name = branch_name(run_id, attempt)
-    spark.sql(f"ALTER TABLE {table} CREATE OR REPLACE BRANCH `{name}`")
+    ref_sql(
+        spark,
+        table,
+        f"ALTER TABLE {table} CREATE OR REPLACE BRANCH `{name}` AS OF VERSION {main_before}",
+    )
     failpoint("branch_opened")
     return Branch(table, name, main_before)
 
@@ -94,14 +99,19 @@ def publish(
     failpoint("branch_committed")
     catalog_name, namespace_table = branch.table.split(".", 1)
     try:
-        spark.sql(
-            f"CALL {catalog_name}.system.fast_forward('{namespace_table}', 'main', '{branch.name}')"
-        ).collect()
+        ref_sql(
+            spark,
+            branch.table,
+            f"CALL {catalog_name}.system.fast_forward"
+            f"('{namespace_table}', 'main', '{branch.name}')",
+        )
     except Exception as exc:  # a Spark/Iceberg error: the catalog commit did not happen
         # Another run may have fast-forwarded main between the check above and this commit
         # (the catalog refuses a fast-forward from a main that moved): judge that run's window.
+        with contextlib.suppress(Exception):
+            spark.sql(f"REFRESH TABLE {branch.table}")
         moved_to = ref_snapshot_id(spark, branch.table, "main")
-        if moved_to != main_now and moved_to != branch.main_before:
+        if moved_to not in (main_now, branch.main_before):
             _moved(spark, branch, moved_to, window)
         raise PublishError(
             f"could not fast-forward main of {branch.table} to branch {branch.name!r}: "
@@ -110,10 +120,32 @@ def publish(
     failpoint("main_fast_forwarded")
     published = ref_snapshot_id(spark, branch.table, "main")
     assert published is not None
-    spark.sql(f"ALTER TABLE {branch.table} DROP BRANCH IF EXISTS `{branch.name}`")
-    with contextlib.suppress(Exception):  # housekeeping must never fail a done publish
+    # Housekeeping must never fail a done publish: a branch left here is a published one, which
+    # the next publish on the table drops (drop_published_leftovers).
+    with contextlib.suppress(Exception):
+        ref_sql(
+            spark, branch.table, f"ALTER TABLE {branch.table} DROP BRANCH IF EXISTS `{branch.name}`"
+        )
+    with contextlib.suppress(Exception):
         drop_published_leftovers(spark, branch.table)
     return published
+
+
+def ref_sql(spark: SparkSession, table: str, statement: str, attempts: int = 5) -> None:
+    """Run a statement that changes one ref of ``table`` (create, drop, fast-forward): one
+    atomic catalog commit, or nothing. Iceberg refuses a ref change whose table metadata is
+    older than the catalog's ("Table metadata refresh is required": another run committed to
+    the table, e.g. to its own branch, since this session loaded it) and does not retry that
+    itself; this refreshes the table and retries."""
+    for attempt in range(attempts):
+        try:
+            spark.sql(statement).collect()
+            return
+        except Exception as exc:
+            if "refresh is required" not in str(exc) or attempt + 1 >= attempts:
+                raise
+            spark.sql(f"REFRESH TABLE {table}")
+            time.sleep(0.1 * (attempt + 1))
 
 
 def _moved(
