@@ -138,6 +138,9 @@ class Settings:
     # How often a publish whose main moved (disjoint windows published meanwhile) rebases.
     publish_attempts: int = 5
     fault_point: str | None = None  # test-only: see backfill_assets.faults
+    # The topics-and-tables spec Definitions are built from (BACKFILL_SPEC); None: the
+    # package's own topics.yaml.
+    spec_path: Path | None = None
 
     @property
     def kafka_data_dir(self) -> Path:
@@ -226,6 +229,7 @@ class Settings:
             seal_grace_s=_int(env, "BACKFILL_SEAL_GRACE_S", 300, zero_ok=True),
             publish_attempts=_int(env, "BACKFILL_PUBLISH_ATTEMPTS", 5),
             fault_point=_fault_point(env),
+            spec_path=Path(env["BACKFILL_SPEC"]).resolve() if env.get("BACKFILL_SPEC") else None,
         )
 
 

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
 from backfill_assets.spec import SPEC_PATH, SpecError, load_specs
+
+
+def _copy_sql(tmp_path: Path) -> None:
+    """The declared tables' SQL files, beside the copied spec (their paths are relative)."""
+    if not (tmp_path / "tables").exists():
+        shutil.copytree(SPEC_PATH.parent / "tables", tmp_path / "tables")
 
 
 def _write(tmp_path: Path, mutate: dict[str, object]) -> Path:
@@ -20,6 +27,7 @@ def _write(tmp_path: Path, mutate: dict[str, object]) -> Path:
             entry[key] = value
     path = tmp_path / "topics.yaml"
     path.write_text(yaml.safe_dump(doc))
+    _copy_sql(tmp_path)
     return path
 
 
@@ -64,5 +72,6 @@ def test_duplicate_topics_are_refused(tmp_path: Path) -> None:
     doc["topics"].append(doc["topics"][0])
     path = tmp_path / "topics.yaml"
     path.write_text(yaml.safe_dump(doc))
+    _copy_sql(tmp_path)
     with pytest.raises(SpecError, match="listed twice: orders"):
         load_specs(path)

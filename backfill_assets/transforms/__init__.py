@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pyspark.sql import Column
+
+    from backfill_assets.spec import ColumnSpec
 
 
 def json_field(v: Column, path: str, spark_type: str) -> Column:
@@ -37,3 +40,37 @@ def json_field(v: Column, path: str, spark_type: str) -> Column:
             exact = F.try_variant_get(v, path, "decimal(38,18)")
             ok = integer | (fraction & (value.cast("decimal(38,18)") == exact))
     return F.when(ok, value)
+
+
+# Epoch milliseconds Spark's timestamp_millis accepts without overflow (years 0001..9999); a
+# value outside stays NULL instead of failing the whole run.
+MIN_EPOCH_MS, MAX_EPOCH_MS = -62_135_596_800_000, 253_402_300_799_999
+
+
+def json_timestamp(v: Column, path: str) -> Column:
+    """A timestamp from a JSON integer (epoch milliseconds) or a JSON string (ISO-8601; without
+    an offset it is read as UTC, the session's zone); NULL for any other kind or value."""
+    from pyspark.sql import functions as F
+
+    millis = json_field(v, path, "bigint")
+    text = json_field(v, path, "string")
+    return F.coalesce(
+        F.when(millis.between(MIN_EPOCH_MS, MAX_EPOCH_MS), F.timestamp_millis(millis)),
+        F.try_to_timestamp(text),
+    )
+
+
+def identity(columns: Sequence[ColumnSpec]) -> Callable[[Column], dict[str, Column]]:
+    """The upcaster of a version whose fields are the columns: each column read from the field
+    of the same name with :func:`json_field`'s strict typing (timestamps with
+    :func:`json_timestamp`)."""
+
+    def upcast(v: Column) -> dict[str, Column]:
+        return {
+            c.name: json_timestamp(v, f"$.{c.name}")
+            if c.type == "timestamp"
+            else json_field(v, f"$.{c.name}", c.type)
+            for c in columns
+        }
+
+    return upcast

@@ -8,15 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from backfill_assets.transforms import json_field
+from backfill_assets.transforms import MAX_EPOCH_MS, MIN_EPOCH_MS, json_field
 
 if TYPE_CHECKING:
     from pyspark.sql import Column
-
-
-# Epoch milliseconds Spark's timestamp_millis accepts without overflow (years 0001..9999); a
-# value outside stays NULL instead of failing the whole run.
-_MIN_MS, _MAX_MS = -62_135_596_800_000, 253_402_300_799_999
 
 
 def _common(v: Column) -> dict[str, Column]:
@@ -48,5 +43,7 @@ def upcast_v2(v: Column) -> dict[str, Column]:
         **_common(v),
         "amount_minor": json_field(v, "$.amount_minor", "bigint"),
         "channel": json_field(v, "$.channel", "string"),
-        "event_time": F.when(millis.between(_MIN_MS, _MAX_MS), F.timestamp_millis(millis)),
+        "event_time": F.when(
+            millis.between(MIN_EPOCH_MS, MAX_EPOCH_MS), F.timestamp_millis(millis)
+        ),
     }
