@@ -1,5 +1,6 @@
-"""Assets generated from topics.yaml: per topic a raw table and two derived tables, each
-materialization written on a run branch, audited by blocking checks, then published."""
+"""Assets generated from the spec: per topic a raw table, its current state and its declared
+tables, each materialization written on a run branch, audited by blocking checks, then
+published."""
 
 import json
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -10,11 +11,11 @@ from typing import Any
 import dagster as dg
 from dagster import AssetExecutionContext
 
-from backfill_assets import audit, checks, derived, ledger, replay, wap
+from backfill_assets import audit, checks, declared, derived, ledger, replay, wap
 from backfill_assets.faults import failpoint
 from backfill_assets.partitions import kafka_hours
 from backfill_assets.resources import IcebergResource, KafkaResource, SparkResource
-from backfill_assets.spec import TopicSpec
+from backfill_assets.spec import TableSpec, TopicSpec
 from backfill_assets.windows import hours_between
 
 # One run covers up to a week of hourly partitions: a 30-day backfill starts 5 runs (5 Spark
@@ -28,12 +29,20 @@ def raw_asset_key(spec: TopicSpec) -> dg.AssetKey:
     return dg.AssetKey(["raw", spec.topic])
 
 
-def hourly_asset_key(spec: TopicSpec) -> dg.AssetKey:
-    return dg.AssetKey(["lakehouse", derived.hourly_table(spec)])
+def table_asset_key(name: str) -> dg.AssetKey:
+    """The asset of a declared table (or of a current-state table) by its table name."""
+    return dg.AssetKey(["lakehouse", name])
 
 
 def current_asset_key(spec: TopicSpec) -> dg.AssetKey:
-    return dg.AssetKey(["lakehouse", derived.current_table(spec)])
+    return table_asset_key(spec.current_table)
+
+
+def relation_asset_key(rel: declared.Relation) -> dg.AssetKey:
+    """The asset a relation a declared table reads comes from."""
+    if rel.kind == "events":
+        return dg.AssetKey(["raw", rel.topic])
+    return table_asset_key(rel.name)
 
 
 def _check_specs(key: dg.AssetKey, names: Sequence[str]) -> list[dg.AssetCheckSpec]:
@@ -323,29 +332,64 @@ def _replay_raw(
     )
 
 
-def build_hourly_asset(spec: TopicSpec) -> dg.AssetsDefinition:
-    key = hourly_asset_key(spec)
-    # Event-time hour H holds events that reached Kafka in hours H .. H + allowed lateness.
-    mapping = dg.TimeWindowPartitionMapping(start_offset=0, end_offset=spec.allowed_lateness_hours)
+def table_deps(table: TableSpec, known: dict[str, declared.Relation]) -> list[dg.AssetDep]:
+    """What a declared table reads, with the partition mapping of each: event-time hour H reads
+    Kafka hours H - lookback .. H + lateness of a topic (its events or current state), and
+    hours H - lookback .. H of another declared table."""
+    deps = []
+    for ref in table.refs:
+        rel = known[ref]
+        later = table.lateness_hours if rel.kind != "table" else 0
+        mapping = dg.TimeWindowPartitionMapping(
+            start_offset=-table.lookback_hours, end_offset=later
+        )
+        deps.append(dg.AssetDep(relation_asset_key(rel), partition_mapping=mapping))
+    return deps
+
+
+def build_declared_asset(
+    spec: TopicSpec, table: TableSpec, specs: Sequence[TopicSpec]
+) -> dg.AssetsDefinition:
+    key = table_asset_key(table.name)
+    known = declared.relations(list(specs))
+    by_topic = {s.topic: s for s in specs}
 
     @dg.asset(
         key=key,
-        description=f"Events, orders and amount per event-time hour and currency ({spec.topic}).",
+        description=(table.description or f"Declared table {table.name} ({spec.topic}).")
+        + f" SQL: {table.sql_origin}.",
         partitions_def=kafka_hours(spec),
         backfill_policy=BACKFILL_POLICY,
         group_name="lakehouse",
         kinds={"spark", "iceberg"},
         pool=POOL,
-        deps=[dg.AssetDep(raw_asset_key(spec), partition_mapping=mapping)],
-        check_specs=_check_specs(key, derived.HOURLY_CHECKS),
-        metadata={"table": derived.hourly_table(spec), "partitioned_by": "event time"},
+        deps=table_deps(table, known),
+        check_specs=_check_specs(key, derived.declared_checks(table)),
+        metadata={
+            "table": table.name,
+            "partitioned_by": f"event time ({table.event_time})",
+            "grain": ", ".join(table.grain),
+            "sql": dg.MetadataValue.md(f"```sql\n{table.sql.strip()}\n```"),
+        },
     )
-    def _hourly(
+    def _declared(
         context: AssetExecutionContext, spark: SparkResource, iceberg: IcebergResource
     ) -> Iterator[Any]:
-        yield from _derive(context, spark, iceberg, spec, derived.hourly_table(spec), "hourly")
+        def build(attempt: int) -> derived.DerivedOutcome:
+            window = context.partition_time_window
+            return derived.build_declared(
+                spark.spark_session,
+                table,
+                derived.Sources(by_topic, iceberg.spark_name),
+                window.start,
+                window.end,
+                context.run.run_id,
+                attempt,
+            )
 
-    return _hourly
+        yield from _derive(context, spark, iceberg, iceberg.spark_name(table.name), build)
+
+    return _declared
 
 
 def build_current_asset(spec: TopicSpec) -> dg.AssetsDefinition:
@@ -366,7 +410,22 @@ def build_current_asset(spec: TopicSpec) -> dg.AssetsDefinition:
     def _current(
         context: AssetExecutionContext, spark: SparkResource, iceberg: IcebergResource
     ) -> Iterator[Any]:
-        yield from _derive(context, spark, iceberg, spec, derived.current_table(spec), "current")
+        table = iceberg.spark_name(spec.current_table)
+
+        def build(attempt: int) -> derived.DerivedOutcome:
+            window = context.partition_time_window
+            return derived.build_current(
+                spark.spark_session,
+                spec,
+                iceberg.spark_name(spec.raw_table),
+                table,
+                window.start,
+                window.end,
+                context.run.run_id,
+                attempt,
+            )
+
+        yield from _derive(context, spark, iceberg, table, build)
 
     return _current
 
@@ -375,40 +434,23 @@ def _derive(
     context: AssetExecutionContext,
     spark: SparkResource,
     iceberg: IcebergResource,
-    spec: TopicSpec,
-    name: str,
-    kind: str,
+    table: str,
+    run: Callable[[int], derived.DerivedOutcome],
 ) -> Iterator[Any]:
-    table = iceberg.spark_name(name)
     with _audit_failures(context, iceberg, table):
-        yield from _derive_body(context, spark, iceberg, spec, table, kind)
+        yield from _derive_body(context, spark, iceberg, table, run)
 
 
 def _derive_body(
     context: AssetExecutionContext,
     spark: SparkResource,
     iceberg: IcebergResource,
-    spec: TopicSpec,
     table: str,
-    kind: str,
+    run: Callable[[int], derived.DerivedOutcome],
 ) -> Iterator[Any]:
     window = context.partition_time_window
     started = datetime.now(UTC)
     session = spark.spark_session
-    build = derived.build_hourly if kind == "hourly" else derived.build_current
-
-    def run(attempt: int) -> derived.DerivedOutcome:
-        return build(
-            session,
-            spec,
-            iceberg.spark_name(spec.raw_table),
-            table,
-            window.start,
-            window.end,
-            context.run.run_id,
-            attempt,
-        )
-
     outcome = run(0)
 
     def rebase(attempt: int) -> tuple[wap.Branch, list[checks.CheckOutcome]]:
@@ -426,7 +468,6 @@ def _derive_body(
     summary = {
         "run-id": context.run.run_id,
         "window": f"{window.start.isoformat()}/{window.end.isoformat()}",
-        "source": iceberg.spark_name(spec.raw_table),
     }
     snapshot = yield from _audit_and_publish(
         context,
@@ -442,9 +483,17 @@ def _derive_body(
     yield dg.MaterializeResult(metadata={**_meta(outcome.metadata), "snapshot_id": str(snapshot)})
 
 
-def build_topic_assets(spec: TopicSpec) -> list[dg.AssetsDefinition]:
-    """Everything one topics.yaml entry produces."""
-    return [build_raw_asset(spec), build_hourly_asset(spec), build_current_asset(spec)]
+def build_topic_assets(
+    spec: TopicSpec, specs: Sequence[TopicSpec] | None = None
+) -> list[dg.AssetsDefinition]:
+    """Everything one spec entry produces; ``specs`` (all topics) resolve what its declared
+    tables read from other topics."""
+    every = list(specs) if specs is not None else [spec]
+    return [
+        build_raw_asset(spec),
+        build_current_asset(spec),
+        *(build_declared_asset(spec, table, every) for table in spec.tables),
+    ]
 
 
 def _span(start: datetime, end: datetime) -> str:

@@ -211,11 +211,17 @@ def _quarantine_ratio(spec: TopicSpec, outcome: ReplayOutcome) -> CheckOutcome:
 
 
 def _schema_contract(branch: DataFrame, spec: TopicSpec) -> CheckOutcome:
-    """pandera's contract, evaluated chunk by chunk inside Spark executors."""
+    """The topic's contract over the window's events (tombstones carry no payload)."""
     from pyspark.sql import functions as F
 
     events = branch.where(~F.col("is_tombstone")).select(*[c.name for c in spec.columns])
-    columns = spec.columns
+    return schema_contract(events, spec.columns)
+
+
+def schema_contract(events: DataFrame, columns: tuple[ColumnSpec, ...]) -> CheckOutcome:
+    """pandera's contract for ``columns`` (generated from the spec), evaluated chunk by chunk
+    inside Spark executors over ``events`` (which holds exactly those columns)."""
+    from pyspark.sql import functions as F
 
     def validate(chunks: Iterable[pd.DataFrame]) -> Iterator[pd.DataFrame]:
         import pandas as pd
@@ -241,7 +247,7 @@ def _schema_contract(branch: DataFrame, spec: TopicSpec) -> CheckOutcome:
         "schema_contract",
         not failed,
         "all rows satisfy the contract" if not failed else f"contract violations: {failed}",
-        {"violations": failed, "columns": [c.name for c in spec.columns]},
+        {"violations": failed, "columns": [c.name for c in columns]},
     )
 
 

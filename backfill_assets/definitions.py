@@ -1,6 +1,13 @@
-"""The project's single Dagster entry point (loaded by workspace.yaml and the tests)."""
+"""The project's single Dagster entry point (loaded by workspace.yaml and the tests).
+
+Everything is generated from the spec (``BACKFILL_SPEC``, default the package's topics.yaml),
+validated when this module loads: a bad declaration fails loading, naming the topic, the table
+and the column, and no Spark session is started.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import dagster as dg
 
@@ -8,9 +15,7 @@ from backfill_assets.archiver import build_archive_asset, build_archive_schedule
 from backfill_assets.assets import build_topic_assets
 from backfill_assets.resources import IcebergResource, KafkaResource, SparkResource
 from backfill_assets.sensors import build_gap_sensor, build_late_data_sensor
-from backfill_assets.spec import load_specs
-
-SPECS = load_specs()
+from backfill_assets.spec import TopicSpec, load_specs
 
 RESOURCES: dict[str, object] = {
     "kafka": KafkaResource(),
@@ -18,13 +23,24 @@ RESOURCES: dict[str, object] = {
     "iceberg": IcebergResource(),
 }
 
-ASSETS = [asset for spec in SPECS for asset in build_topic_assets(spec)] + [
-    build_archive_asset(spec) for spec in SPECS
-]
-SENSORS = [
-    sensor for spec in SPECS for sensor in (build_gap_sensor(spec), build_late_data_sensor(spec))
-]
 
-SCHEDULES = [build_archive_schedule(spec) for spec in SPECS]
+def build_defs(specs: Sequence[TopicSpec]) -> dg.Definitions:
+    """Assets, checks, sensors and schedules for ``specs``, with the default resources."""
+    specs = list(specs)
+    assets = [asset for spec in specs for asset in build_topic_assets(spec, specs)]
+    assets += [build_archive_asset(spec) for spec in specs]
+    sensors = [
+        sensor
+        for spec in specs
+        for sensor in (build_gap_sensor(spec, specs), build_late_data_sensor(spec, specs))
+    ]
+    return dg.Definitions(
+        assets=assets,
+        sensors=sensors,
+        schedules=[build_archive_schedule(spec) for spec in specs],
+        resources=RESOURCES,
+    )
 
-defs = dg.Definitions(assets=ASSETS, sensors=SENSORS, schedules=SCHEDULES, resources=RESOURCES)
+
+SPECS = load_specs()
+defs = build_defs(SPECS)

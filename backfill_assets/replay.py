@@ -395,9 +395,12 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
         F.when(whole, F.try_variant_get(wrapped, "$[0]", "variant")).alias("_v"),
     )
     v = F.col("_v")
-    df = df.withColumn("schema_version", json_field(v, f"$.{spec.version_field}", "int"))
+    if spec.version_field is None:  # no version field: every record is the latest version
+        df = df.withColumn("schema_version", F.lit(spec.latest_version).cast("int"))
+    else:
+        df = df.withColumn("schema_version", json_field(v, f"$.{spec.version_field}", "int"))
     version = F.col("schema_version")  # computed once, not inlined into every column
-    versions = sorted(spec.upcasters)
+    versions = spec.versions
     upcast = {ver: spec.upcaster(ver)(v) for ver in versions}
     for col in spec.columns:
         expr: Column | None = None
