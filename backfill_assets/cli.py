@@ -98,24 +98,42 @@ def _cmd_generate(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _ranges(
+    spec: TopicSpec, start: datetime, end: datetime
+) -> list[tuple[list[dg.AssetKey], datetime, datetime]]:
+    """What a backfill of Kafka hours [start, end) materializes, in dependency order: the raw
+    and current-state tables over [start, end); each declared table over the event-time hours
+    whose inputs all arrived within the range: [start, end - lateness) for a table reading a
+    topic, the hours its declared inputs cover for one reading declared tables."""
+    from backfill_assets import declared
+    from backfill_assets.assets import current_asset_key, raw_asset_key, table_asset_key
+    from backfill_assets.definitions import SPECS
+
+    known = declared.relations(SPECS)
+    settled: dict[str, datetime] = {}
+    out = [([raw_asset_key(spec), current_asset_key(spec)], start, end)]
+    for table in declared.ordered(SPECS):
+        ends = [
+            settled.get(ref, end)
+            if known[ref].kind == "table"
+            else end - timedelta(hours=table.lateness_hours)
+            for ref in table.refs
+        ]
+        settled[table.name] = min(ends, default=end)
+        if table.topic == spec.topic and settled[table.name] > start:
+            out.append(([table_asset_key(table.name)], start, settled[table.name]))
+    return out
+
+
 def _cmd_materialize(args: argparse.Namespace, settings: Settings) -> int:
     """Materialize a Kafka-time range of one topic's tables in this process, on the Dagster
-    instance of $DAGSTER_HOME (the run shows in the UI). Raw and current-state tables cover
-    [start, end); the event-time table covers [start, end - allowed lateness), the hours whose
-    events have all arrived within the range."""
-
-    from backfill_assets.assets import (
-        current_asset_key,
-        hourly_asset_key,
-        raw_asset_key,
-    )
+    instance of $DAGSTER_HOME (the run shows in the UI), in dependency order. Raw and
+    current-state tables cover [start, end); each declared table covers the event-time hours
+    whose events have all arrived within the range (see :func:`_ranges`)."""
     from backfill_assets.definitions import defs
 
     spec, start, end = _topic_range(args)
-    lateness = timedelta(hours=spec.allowed_lateness_hours)
-    plan = [([raw_asset_key(spec), current_asset_key(spec)], start, end)]
-    if end - lateness > start:
-        plan.append(([hourly_asset_key(spec)], start, end - lateness))
+    plan = _ranges(spec, start, end)
     instance = dg.DagsterInstance.get()
     job = defs.resolve_implicit_global_asset_job_def()
     for keys, first, stop in plan:
@@ -235,15 +253,15 @@ def _cmd_plan(args: argparse.Namespace, settings: Settings) -> int:
 
 def _cmd_backfill(args: argparse.Namespace, settings: Settings) -> int:
     from backfill_assets import launch
-    from backfill_assets.assets import current_asset_key, hourly_asset_key, raw_asset_key
 
     spec, start, end = _topic_range(args)
     fmt = "%Y-%m-%d-%H:%M"
     last = end - timedelta(hours=1)
-    ranges = [(raw_asset_key(spec), start, last), (current_asset_key(spec), start, last)]
-    hourly_last = last - timedelta(hours=spec.allowed_lateness_hours)
-    if hourly_last >= start:
-        ranges.append((hourly_asset_key(spec), start, hourly_last))
+    ranges = [
+        (key, first, stop - timedelta(hours=1))
+        for keys, first, stop in _ranges(spec, start, end)
+        for key in keys
+    ]
     client = launch.DagsterClient(
         args.webserver or f"http://{settings.webserver_host}:{settings.webserver_port}"
     )
@@ -358,7 +376,12 @@ def _cmd_gaps(args: argparse.Namespace, settings: Settings) -> int:
     cat = catalog.load(settings.catalog)
     ns = settings.catalog.namespace
     found = detect.find(
-        KafkaResource(), cat, ns, spec, retention_horizon=timedelta(hours=args.horizon_hours)
+        KafkaResource(),
+        cat,
+        ns,
+        spec,
+        specs=SPECS,
+        retention_horizon=timedelta(hours=args.horizon_hours),
     )
     late = detect.late_event_hours(cat, ns, spec)
     hour = timedelta(hours=1)
@@ -378,14 +401,20 @@ def _cmd_gaps(args: argparse.Namespace, settings: Settings) -> int:
         return out
 
     raw_gaps, current_gaps = ranges(found.raw_gaps), ranges(found.current_gaps)
-    hourly_due = {h.isoformat(): why for h, why in sorted(found.hourly_due.items())}
-    late_hours = {h.isoformat(): why for h, why in sorted(late.items())}
+    tables_due = {
+        name: {h.isoformat(): why for h, why in sorted(due.items())}
+        for name, due in found.tables_due.items()
+        if due
+    }
+    late_hours = {
+        name: {h.isoformat(): why for h, why in sorted(due.items())} for name, due in late.items()
+    }
     if args.json:
         report = {
             "topic": spec.topic,
             "raw_gaps": raw_gaps,
             "current_gaps": current_gaps,
-            "hourly_due": hourly_due,
+            "tables_due": tables_due,
             "late_event_hours": late_hours,
             "retention_risks": found.retention_risks,
         }
@@ -396,10 +425,11 @@ def _cmd_gaps(args: argparse.Namespace, settings: Settings) -> int:
             print(f"{name}: {len(gaps) or 'none'}")
             for r in gaps:
                 print(f"  {r['start']} .. {r['end']}   fill: {r['fill']}")
-        for name, due in (("hourly_due", hourly_due), ("late_event_hours", late_hours)):
-            print(f"{name}: {len(due) or 'none'}")
-            for h, why in due.items():
-                print(f"  {h}  {why}")
+        for title, per_table in (("tables_due", tables_due), ("late_event_hours", late_hours)):
+            print(f"{title}: {sum(len(d) for d in per_table.values()) or 'none'}")
+            for name, due in per_table.items():
+                for h, why in due.items():
+                    print(f"  {name} {h}  {why}")
         risks = found.retention_risks
         print(f"retention risks (within {args.horizon_hours} h): {len(risks) or 'none'}")
         for r in risks:
@@ -408,7 +438,7 @@ def _cmd_gaps(args: argparse.Namespace, settings: Settings) -> int:
                 f"  {r['hour']} leaves Kafka at {r['leaves_kafka_at']} offsets {r['offsets']} "
                 f"({archived})"
             )
-    empty = not (found.raw_gaps or found.current_gaps or found.hourly_due or late)
+    empty = not (found.raw_gaps or found.current_gaps or tables_due or late)
     return 0 if empty else 1
 
 

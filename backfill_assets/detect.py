@@ -20,9 +20,9 @@ from typing import Any
 
 from pyiceberg.catalog import Catalog
 
-from backfill_assets import ledger
+from backfill_assets import declared, ledger
 from backfill_assets.resources import KafkaResource
-from backfill_assets.spec import TopicSpec
+from backfill_assets.spec import TableSpec, TopicSpec
 
 HOUR = timedelta(hours=1)
 PARTITION_FMT = "%Y-%m-%d-%H:%M"
@@ -44,7 +44,8 @@ class Findings:
 
     raw_gaps: list[datetime] = field(default_factory=list)
     current_gaps: list[datetime] = field(default_factory=list)
-    hourly_due: dict[datetime, str] = field(default_factory=dict)  # hour -> reason
+    # declared table -> hour -> reason, tables in dependency order
+    tables_due: dict[str, dict[datetime, str]] = field(default_factory=dict)
     retention_risks: list[dict[str, Any]] = field(default_factory=list)
     closed_until: datetime | None = None
 
@@ -120,10 +121,12 @@ def find(
     namespace: str,
     spec: TopicSpec,
     *,
+    specs: list[TopicSpec] | None = None,
     now: datetime | None = None,
     retention_horizon: timedelta = timedelta(hours=24),
 ) -> Findings:
-    """Everything the gap, late-data and retention checks need, in one pass."""
+    """Everything the gap, late-data and retention checks need, in one pass; ``specs`` (all
+    topics) resolve what the topic's declared tables read from other topics."""
     now = now or datetime.now(UTC)
     last_closed = now.replace(minute=0, second=0, microsecond=0)
     findings = Findings(closed_until=last_closed)
@@ -134,50 +137,134 @@ def find(
     # records newer than the last closed hour wait until their hour closes.
     in_kafka = hours_with_records(kafka, spec.topic, span[0], min(last_closed, span[1] + HOUR))
     raw_pub = covered_hours(published(catalog, f"{namespace}.{spec.raw_table}"))
-    cur_pub = covered_hours(published(catalog, f"{namespace}.{spec.topic}_current"))
-    hourly_pub = covered_hours(published(catalog, f"{namespace}.{spec.topic}_hourly"))
+    cur_pub = covered_hours(published(catalog, f"{namespace}.{spec.current_table}"))
     findings.raw_gaps = sorted(h for h in in_kafka if h not in raw_pub)
     findings.current_gaps = sorted(h for h in in_kafka if h not in cur_pub)
+    every = list(specs) if specs is not None else [spec]
+    known = declared.relations(every)
+    kafka_hours = {spec.topic: in_kafka}
+    coverage: dict[str, dict[datetime, Publish]] = {}
 
-    lateness = spec.allowed_lateness_hours
-    for hour in sorted(in_kafka):
-        deps = [hour + i * HOUR for i in range(lateness + 1)]
-        if any(d > last_closed - HOUR for d in deps):
-            continue  # its events may still arrive: wait until hour + lateness has closed
-        if any(d in in_kafka and d not in raw_pub for d in deps):
-            continue  # a raw hour it reads is not published yet
-        mine = hourly_pub.get(hour)
-        if mine is None:
-            findings.hourly_due[hour] = "never published"
-            continue
-        newer = [
-            raw_pub[d] for d in deps if d in raw_pub and raw_pub[d].committed_ms > mine.committed_ms
-        ]
-        if newer:
-            findings.hourly_due[hour] = f"raw hours republished by run {newer[0].run_id}"
+    def expected(topic: str) -> dict[datetime, dict[int, tuple[int, int]]]:
+        if topic not in kafka_hours:
+            other = record_hours(kafka, topic, spec.partition_start)
+            kafka_hours[topic] = (
+                hours_with_records(kafka, topic, other[0], min(last_closed, other[1] + HOUR))
+                if other
+                else {}
+            )
+        return kafka_hours[topic]
+
+    def covered(table: str) -> dict[datetime, Publish]:
+        if table not in coverage:
+            coverage[table] = covered_hours(published(catalog, f"{namespace}.{table}"))
+        return coverage[table]
+
+    for table in declared.ordered(every):
+        if table.topic == spec.topic:
+            findings.tables_due[table.name] = _due(
+                table, known, in_kafka, expected, covered, last_closed
+            )
     findings.retention_risks = _retention_risks(
         kafka, spec.topic, in_kafka, raw_pub, now, retention_horizon
     )
     return findings
 
 
+def _due(
+    table: TableSpec,
+    known: dict[str, declared.Relation],
+    in_kafka: dict[datetime, Any],
+    expected: Any,
+    covered: Any,
+    last_closed: datetime,
+) -> dict[datetime, str]:
+    """Event-time hours of ``table`` to (re)materialize: never published, or a relation it
+    reads was republished after it for the hours it maps to. An hour waits until every hour it
+    reads has closed and, where Kafka holds records for it, been published."""
+    mine = covered(table.name)
+    due: dict[datetime, str] = {}
+    for hour in sorted(in_kafka):
+        wait, newer = False, ""
+        for ref in table.refs:
+            rel = known[ref]
+            later = table.lateness_hours if rel.kind != "table" else 0
+            deps = [hour + i * HOUR for i in range(-table.lookback_hours, later + 1)]
+            if any(d > last_closed - HOUR for d in deps):
+                wait = True
+                break
+            dep_table = f"raw_{rel.topic}" if rel.kind == "events" else rel.name
+            pubs = covered(dep_table)
+            has_records = expected(rel.topic)
+            if any(d in has_records and d not in pubs for d in deps):
+                wait = True  # an hour it reads is not published yet
+                break
+            own = mine.get(hour)
+            later_pubs = [
+                pubs[d]
+                for d in deps
+                if d in pubs and own and pubs[d].committed_ms > own.committed_ms
+            ]
+            if later_pubs and not newer:
+                newer = f"{dep_table} hours republished by run {later_pubs[0].run_id}"
+        if wait:
+            continue
+        if hour not in mine:
+            due[hour] = "never published"
+        elif newer:
+            due[hour] = newer
+    return due
+
+
 def late_event_hours(
     catalog: Catalog, namespace: str, spec: TopicSpec, *, now: datetime | None = None
-) -> dict[datetime, str]:
-    """Event-time hours that received records after their hourly row was published, from
-    Kafka hours beyond the allowed lateness (so the partition mapping alone misses them)."""
-    now = now or datetime.now(UTC)
+) -> dict[str, dict[datetime, str]]:
+    """Per declared table that reads the topic's events: event-time hours that received
+    records after the table's hour was published, from Kafka hours beyond the table's allowed
+    lateness (so the partition mapping alone misses them)."""
+    readers = [t for t in spec.tables if spec.topic in t.refs]
     raw_pubs = published(catalog, f"{namespace}.{spec.raw_table}")
-    hourly = covered_hours(published(catalog, f"{namespace}.{spec.topic}_hourly"))
-    if not raw_pubs or not hourly:
-        return {}
-    oldest_hourly = min(p.committed_ms for p in hourly.values())
-    recent_runs = sorted({p.run_id for p in raw_pubs if p.committed_ms > oldest_hourly})
+    out: dict[str, dict[datetime, str]] = {}
+    if not raw_pubs or not readers:
+        return out
+    rows: list[dict[str, Any]] | None = None
+    committed = {p.run_id: p.committed_ms for p in raw_pubs}
+    for table in readers:
+        mine = covered_hours(published(catalog, f"{namespace}.{table.name}"))
+        if not mine:
+            continue
+        oldest = min(p.committed_ms for p in mine.values())
+        if rows is None:
+            rows = _recent_rows(catalog, namespace, spec, raw_pubs, oldest)
+        lateness = timedelta(hours=table.lateness_hours)
+        due: dict[datetime, str] = {}
+        for row in rows:
+            event_time = row[spec.event_time_field]
+            if event_time is None:
+                continue
+            event_hour = _hour(event_time)
+            pub = mine.get(event_hour)
+            if pub is None:
+                continue  # never published: the gap sensor handles it
+            if _hour(row["kafka_hour"]) <= event_hour + lateness:
+                continue  # inside the mapping: the gap sensor's staleness rule handles it
+            if committed[row["ingest_run_id"]] > pub.committed_ms:
+                due[event_hour] = f"late records ingested by run {row['ingest_run_id']}"
+        if due:
+            out[table.name] = due
+    return out
+
+
+def _recent_rows(
+    catalog: Catalog, namespace: str, spec: TopicSpec, raw_pubs: list[Publish], since_ms: int
+) -> list[dict[str, Any]]:
+    """Event time, Kafka hour and run of the raw rows published after ``since_ms``."""
+    recent_runs = sorted({p.run_id for p in raw_pubs if p.committed_ms > since_ms})
     if not recent_runs:
-        return {}
+        return []
     table = catalog.load_table(f"{namespace}.{spec.raw_table}")
     quoted = ", ".join(f"'{r}'" for r in recent_runs if "'" not in r)
-    rows = (
+    rows: list[dict[str, Any]] = (
         table.scan(
             row_filter=f"ingest_run_id IN ({quoted}) AND is_tombstone == false",
             selected_fields=(spec.event_time_field, "kafka_hour", "ingest_run_id"),
@@ -185,22 +272,7 @@ def late_event_hours(
         .to_arrow()
         .to_pylist()
     )
-    committed = {p.run_id: p.committed_ms for p in raw_pubs}
-    lateness = timedelta(hours=spec.allowed_lateness_hours)
-    due: dict[datetime, str] = {}
-    for row in rows:
-        event_time = row[spec.event_time_field]
-        if event_time is None:
-            continue
-        event_hour = _hour(event_time)
-        pub = hourly.get(event_hour)
-        if pub is None:
-            continue  # never published: the gap sensor handles it
-        if _hour(row["kafka_hour"]) <= event_hour + lateness:
-            continue  # inside the mapping: the gap sensor's staleness rule handles it
-        if committed[row["ingest_run_id"]] > pub.committed_ms:
-            due[event_hour] = f"late records ingested by run {row['ingest_run_id']}"
-    return due
+    return rows
 
 
 def _retention_risks(

@@ -17,7 +17,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from backfill_assets import catalog, ledger
 from backfill_assets.archive import Archive
-from backfill_assets.assets import BACKFILL_POLICY, hourly_asset_key, raw_asset_key
+from backfill_assets.assets import BACKFILL_POLICY, raw_asset_key, table_asset_key
 from backfill_assets.replay import OffsetContract, offset_contract
 from backfill_assets.resources import KafkaResource
 from backfill_assets.spec import TopicSpec
@@ -141,6 +141,13 @@ class Plan:
         return "\n".join(lines)
 
 
+def target_tables(spec: TopicSpec) -> list[str]:
+    """The tables a backfill of the topic writes, in dependency order."""
+    from backfill_assets.declared import ordered
+
+    return [spec.raw_table, spec.current_table, *(t.name for t in ordered([spec]))]
+
+
 def make_plan(
     kafka: KafkaResource,
     spec: TopicSpec,
@@ -172,7 +179,7 @@ def make_plan(
         missing_ranges = err.missing if isinstance(err, WindowError) else {}
         return _blocked(spec, start, end, partitions, concurrency, window, str(err), missing_ranges)
     missing: dict[str, list[int]] = {}
-    sample = _sample(kafka, contract)
+    sample = _sample(kafka, contract, spec)
     history = _history(instance, raw_asset_key(spec)) if instance is not None else {}
     per_run_history = list(history.values())[:20]
     overhead, rate, source = _fit(per_run_history, sample["rate"])
@@ -194,8 +201,18 @@ def make_plan(
     else:
         tail = HOURLY_TAIL_S
         if instance is not None:
-            tails = [h["wall_s"] for h in _history(instance, hourly_asset_key(spec)).values()]
-            tail = statistics.median(tails) if tails else HOURLY_TAIL_S
+            # The declared tables run after the raw table: the slowest one's median run.
+            medians = [
+                statistics.median(t)
+                for table in spec.tables
+                if (
+                    t := [
+                        h["wall_s"]
+                        for h in _history(instance, table_asset_key(table.name)).values()
+                    ]
+                )
+            ]
+            tail = max(medians) if medians else HOURLY_TAIL_S
         per_run = overhead + (per_run_records / rate if rate > 0 else 0.0)
         predicted = DAEMON_LATENCY_S + waves * per_run + tail
     est_bytes = int(sample["avg_bytes"] * contract.records)
@@ -203,15 +220,15 @@ def make_plan(
     fits = None if window_s is None else predicted <= window_s
     plan = Plan(
         topic=spec.topic,
-        target_tables=[spec.raw_table, f"{spec.topic}_hourly", f"{spec.topic}_current"],
+        target_tables=target_tables(spec),
         start=start.isoformat(),
         end=end.isoformat(),
         partitions=partitions,
         offsets={str(p): [s, e] for p, (s, e) in contract.ranges.items()},
         records=contract.records,
         estimated_bytes=est_bytes,
-        schema_versions_seen=[v for v in sample["versions"] if v in spec.upcasters],
-        unknown_versions_seen=[v for v in sample["versions"] if v not in spec.upcasters],
+        schema_versions_seen=[v for v in sample["versions"] if v in spec.versions],
+        unknown_versions_seen=[v for v in sample["versions"] if v not in spec.versions],
         expected_rows_at_most=contract.records,
         all_in_kafka=not missing and not contract.archive_ranges,
         missing_offsets=missing,
@@ -246,7 +263,7 @@ def _blocked(
     """The plan of a range a run would refuse: no offsets, no estimate, a red scorecard."""
     plan = Plan(
         topic=spec.topic,
-        target_tables=[spec.raw_table, f"{spec.topic}_hourly", f"{spec.topic}_current"],
+        target_tables=target_tables(spec),
         start=start.isoformat(),
         end=end.isoformat(),
         partitions=partitions,
@@ -355,14 +372,14 @@ def _scorecard(plan: Plan, spec: TopicSpec, end: datetime) -> list[Score]:
     return scores
 
 
-def _sample(kafka: KafkaResource, contract: OffsetContract) -> dict[str, Any]:
+def _sample(kafka: KafkaResource, contract: OffsetContract, spec: TopicSpec) -> dict[str, Any]:
     """Read up to SAMPLE_RECORDS from the start of the range (no group join, no commit)."""
     consumer: Consumer = kafka.offsets_consumer()
     in_kafka = contract.kafka_ranges
     assigned = [TopicPartition(contract.topic, p, s) for p, (s, e) in in_kafka.items() if e > s]
     if not assigned:
         consumer.close()
-        return _sample_archive(kafka, contract)
+        return _sample_archive(kafka, contract, spec)
     ends = {p: e for p, (_, e) in in_kafka.items()}
     consumer.assign(assigned)
     count, size, versions = 0, 0, set()
@@ -379,7 +396,7 @@ def _sample(kafka: KafkaResource, contract: OffsetContract) -> dict[str, Any]:
                 count += 1
                 value = msg.value() or b""
                 size += len(value) + len(msg.key() or b"")
-                versions.add(_version(value))
+                versions.add(_version(value, spec))
     finally:
         consumer.close()
     elapsed = max(time.monotonic() - began, 1e-3)
@@ -391,7 +408,9 @@ def _sample(kafka: KafkaResource, contract: OffsetContract) -> dict[str, Any]:
     }
 
 
-def _sample_archive(kafka: KafkaResource, contract: OffsetContract) -> dict[str, Any]:
+def _sample_archive(
+    kafka: KafkaResource, contract: OffsetContract, spec: TopicSpec
+) -> dict[str, Any]:
     """Sample the archived part of a range (when none of it is in Kafka any more)."""
     store = Archive(kafka.settings)
     began = time.monotonic()
@@ -405,7 +424,7 @@ def _sample_archive(kafka: KafkaResource, contract: OffsetContract) -> dict[str,
         ):
             count += 1
             size += len(value or b"") + len(key or b"")
-            versions.add(_version(value or b""))
+            versions.add(_version(value or b"", spec))
     elapsed = max(time.monotonic() - began, 1e-3)
     return {
         "rate": count / elapsed if count else 0.0,
@@ -415,12 +434,14 @@ def _sample_archive(kafka: KafkaResource, contract: OffsetContract) -> dict[str,
     }
 
 
-def _version(value: bytes) -> int | None:
+def _version(value: bytes, spec: TopicSpec) -> int | None:
+    if spec.version_field is None:
+        return spec.latest_version
     try:
         doc = json.loads(value)
     except ValueError:
         return None
-    version = doc.get("schema_version") if isinstance(doc, dict) else None
+    version = doc.get(spec.version_field) if isinstance(doc, dict) else None
     return version if isinstance(version, int) else None
 
 

@@ -20,6 +20,26 @@ from backfill_assets import audit, ledger
 from backfill_assets.errors import BackfillError
 
 
+def downstream_first(tables: list[str]) -> list[str]:
+    """``tables`` (full names) with readers before what they read: declared tables (latest in
+    dependency order first), then current-state and raw tables, so no table is ever left
+    holding rows computed from a publish already undone upstream for longer than needed."""
+    from backfill_assets.declared import ordered
+    from backfill_assets.spec import load_specs
+
+    specs = load_specs()
+    rank = {t.name: i for i, t in enumerate(ordered(specs))}
+    raw = {s.raw_table for s in specs}
+
+    def key(full: str) -> tuple[int, int, str]:
+        short = full.rsplit(".", 1)[-1]
+        if short in rank:
+            return (0, -rank[short], full)
+        return (2 if short in raw or short.startswith("raw_") else 1, 0, full)
+
+    return sorted(tables, key=key)
+
+
 class RollbackError(BackfillError):
     """A rollback was refused or could not be applied; the table is unchanged."""
 
@@ -64,7 +84,8 @@ def rollback(
     for row in rows:
         by_table.setdefault(row["table_name"], []).append(row)
     plans = [
-        _plan(catalog, namespace, name, pubs, force) for name, pubs in sorted(by_table.items())
+        _plan(catalog, namespace, name, by_table[name], force)
+        for name in downstream_first(list(by_table))
     ]
     results = []
     for table, result in plans:

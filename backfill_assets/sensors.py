@@ -16,7 +16,7 @@ from datetime import datetime
 import dagster as dg
 
 from backfill_assets import detect
-from backfill_assets.assets import current_asset_key, hourly_asset_key, raw_asset_key
+from backfill_assets.assets import current_asset_key, raw_asset_key, table_asset_key
 from backfill_assets.resources import IcebergResource, KafkaResource
 from backfill_assets.settings import Settings
 from backfill_assets.spec import TopicSpec
@@ -45,8 +45,23 @@ def _default_status() -> dg.DefaultSensorStatus:
     return dg.DefaultSensorStatus.RUNNING if running else dg.DefaultSensorStatus.STOPPED
 
 
-def build_gap_sensor(spec: TopicSpec) -> dg.SensorDefinition:
-    raw, current, hourly = raw_asset_key(spec), current_asset_key(spec), hourly_asset_key(spec)
+def _merged(
+    kind: str, due: dict[str, dict[datetime, str]]
+) -> list[tuple[str, list[dg.AssetKey], list[datetime]]]:
+    """One request per contiguous range of hours where any declared table is due, selecting
+    (in dependency order; Dagster runs them in that order) the tables due in that range."""
+    hours = sorted({h for table_due in due.values() for h in table_due})
+    out = []
+    for first, last in detect.contiguous(hours, MAX_RANGE_HOURS):
+        names = [n for n, d in due.items() if any(first <= h <= last for h in d)]
+        span = [h for h in hours if first <= h <= last]
+        out.append((kind, [table_asset_key(n) for n in names], span))
+    return out
+
+
+def build_gap_sensor(spec: TopicSpec, specs: list[TopicSpec] | None = None) -> dg.SensorDefinition:
+    raw, current = raw_asset_key(spec), current_asset_key(spec)
+    tables = [table_asset_key(t.name) for t in spec.tables]
 
     @dg.sensor(
         name=gap_sensor_name(spec),
@@ -54,7 +69,7 @@ def build_gap_sensor(spec: TopicSpec) -> dg.SensorDefinition:
             f"Compares topic {spec.topic!r} with the offsets published on main and requests "
             "runs for exactly the uncovered hours; warns before retention deletes them."
         ),
-        asset_selection=[raw, current, hourly],
+        asset_selection=[raw, current, *tables],
         minimum_interval_seconds=120,
         default_status=_default_status(),
     )
@@ -63,14 +78,14 @@ def build_gap_sensor(spec: TopicSpec) -> dg.SensorDefinition:
     ) -> dg.SensorResult | dg.SkipReason:
         ns = iceberg.settings.catalog.namespace
         cat = iceberg.catalog()
-        found = detect.find(kafka, cat, ns, spec)
+        found = detect.find(kafka, cat, ns, spec, specs=specs)
         state = _main_state(iceberg, spec.raw_table)
         raw_and_current = set(found.raw_gaps)
         only_current = set(found.current_gaps) - raw_and_current
         wanted = [
             ("raw", [raw, current], sorted(raw_and_current)),
             ("current", [current], sorted(only_current)),
-            ("hourly", [hourly], sorted(found.hourly_due)),
+            *_merged("derived", found.tables_due),
         ]
         for risk in found.retention_risks:
             context.log.warning(
@@ -88,16 +103,18 @@ def build_gap_sensor(spec: TopicSpec) -> dg.SensorDefinition:
     return _gaps
 
 
-def build_late_data_sensor(spec: TopicSpec) -> dg.SensorDefinition:
-    hourly = hourly_asset_key(spec)
+def build_late_data_sensor(
+    spec: TopicSpec, specs: list[TopicSpec] | None = None
+) -> dg.SensorDefinition:
+    tables = [table_asset_key(t.name) for t in spec.tables if spec.topic in t.refs]
 
     @dg.sensor(
         name=late_sensor_name(spec),
         description=(
-            f"Re-materializes event-time hours of {spec.topic!r} that received records after "
-            "they were published, beyond the allowed lateness."
+            f"Re-materializes event-time hours of {spec.topic!r}'s declared tables that "
+            "received records after they were published, beyond the allowed lateness."
         ),
-        asset_selection=[hourly],
+        asset_selection=tables or [raw_asset_key(spec)],
         minimum_interval_seconds=120,
         default_status=_default_status(),
     )
@@ -106,7 +123,7 @@ def build_late_data_sensor(spec: TopicSpec) -> dg.SensorDefinition:
     ) -> dg.SensorResult | dg.SkipReason:
         due = detect.late_event_hours(iceberg.catalog(), iceberg.settings.catalog.namespace, spec)
         state = _main_state(iceberg, spec.raw_table)
-        return _requests(context, late_sensor_name(spec), [("late", [hourly], sorted(due))], state)
+        return _requests(context, late_sensor_name(spec), _merged("late", due), state)
 
     return _late
 
