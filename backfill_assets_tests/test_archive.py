@@ -28,6 +28,7 @@ from backfill_assets import audit, catalog, planner
 from backfill_assets.archive import SCHEMA, Archive, ArchiveError
 from backfill_assets.archiver import build_archive_asset, run_archiver
 from backfill_assets.assets import build_raw_asset
+from backfill_assets.declared import renamed
 from backfill_assets.definitions import RESOURCES, SPECS
 from backfill_assets.generator import GeneratorConfig, GroundTruth, generate
 from backfill_assets.replay import checksum_expr
@@ -57,7 +58,7 @@ class World:
 @pytest.fixture(scope="module")
 def world(stack_settings: Settings, spark_session: SparkSession) -> Iterator[World]:
     topic = f"arch_{uuid.uuid4().hex[:8]}"
-    spec = dataclasses.replace(SPECS[0], topic=topic)
+    spec = renamed(SPECS[0], topic=topic)
     truth = generate(
         stack_settings,
         GeneratorConfig(topic=topic, start=START, hours=6, events_per_hour=150, seed=5),
@@ -214,7 +215,7 @@ def test_range_in_neither_kafka_nor_archive_fails_naming_offsets(
     world: World, stack_settings: Settings, spark_session: SparkSession
 ) -> None:
     topic = f"gone_{uuid.uuid4().hex[:8]}"
-    spec = dataclasses.replace(SPECS[0], topic=topic)
+    spec = renamed(SPECS[0], topic=topic)
     truth = generate(
         stack_settings,
         GeneratorConfig(topic=topic, start=START, hours=6, events_per_hour=60, seed=6),
@@ -456,7 +457,7 @@ def _write_legacy(store: Archive, topic: str, start: int, end: int, records: lis
 
 
 def _spec(topic: str) -> TopicSpec:
-    return dataclasses.replace(SPECS[0], topic=topic)
+    return renamed(SPECS[0], topic=topic)
 
 
 def test_archive_holds_exactly_the_committed_records(stack_settings: Settings) -> None:

@@ -68,6 +68,7 @@ from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartit
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from backfill_assets.assets import build_raw_asset
+from backfill_assets.declared import renamed
 from backfill_assets.definitions import RESOURCES, SPECS
 from backfill_assets.settings import Settings
 from backfill_assets.spec import TopicSpec
@@ -308,7 +309,7 @@ class World:
 def world(stack_settings: Settings, spark_session: SparkSession) -> Iterator[World]:
     topic = f"badinput_{uuid.uuid4().hex[:8]}"
     # Most of this corpus is bad on purpose: let the ratio check pass so the run publishes.
-    spec = dataclasses.replace(SPECS[0], topic=topic, quarantine_max_ratio=1.0)
+    spec = renamed(SPECS[0], topic=topic, quarantine_max_ratio=1.0)
     recs = _corpus()
     _produce(stack_settings, topic, recs)
     ns = stack_settings.catalog.namespace

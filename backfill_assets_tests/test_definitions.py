@@ -10,6 +10,7 @@ from backfill_assets.definitions import defs
 RAW = dg.AssetKey(["raw", "orders"])
 HOURLY = dg.AssetKey(["lakehouse", "orders_hourly"])
 CURRENT = dg.AssetKey(["lakehouse", "orders_current"])
+LARGE = dg.AssetKey(["lakehouse", "orders_large_paid"])
 ARCHIVE = dg.AssetKey(["archive", "orders"])
 
 
@@ -17,13 +18,14 @@ def test_asset_keys_and_resources() -> None:
     repo = defs.get_repository_def()
     assert set(repo.get_top_level_resources()) >= {"kafka", "spark", "iceberg"}
     graph = defs.resolve_asset_graph()
-    assert set(graph.get_all_asset_keys()) == {RAW, HOURLY, CURRENT, ARCHIVE}
+    assert set(graph.get_all_asset_keys()) == {RAW, HOURLY, CURRENT, LARGE, ARCHIVE}
     sensors = {s.name: s for s in defs.sensors or []}
     assert set(sensors) == {"orders_offset_gaps", "orders_late_data"}
     assert set(sensors["orders_offset_gaps"].asset_selection.resolve(graph)) == {  # type: ignore[union-attr]
         RAW,
         HOURLY,
         CURRENT,
+        LARGE,
     }
     schedules = {s.name: s for s in defs.schedules or []}
     assert set(schedules) == {"orders_archive_hourly"}
@@ -39,10 +41,12 @@ def test_blocking_checks_users_rely_on() -> None:
         (RAW, "schema_contract"),
         (RAW, "uniqueness"),
         (RAW, "quarantine_ratio"),
-        (HOURLY, "count_reconciliation"),
-        (HOURLY, "amount_reconciliation"),
+        (HOURLY, "reconciliation"),
         (HOURLY, "uniqueness"),
         (HOURLY, "schema_contract"),
+        (LARGE, "reconciliation"),
+        (LARGE, "uniqueness"),
+        (LARGE, "schema_contract"),
         (CURRENT, "uniqueness"),
         (CURRENT, "source_applied"),
         (CURRENT, "schema_contract"),

@@ -13,8 +13,8 @@ import dagster as dg
 import pytest
 
 from backfill_assets.assets import build_topic_assets
+from backfill_assets.declared import renamed
 from backfill_assets.definitions import RESOURCES, SPECS
-from backfill_assets.derived import current_table, hourly_table
 from backfill_assets.generator import GeneratorConfig, GroundTruth, generate, plan_events
 from backfill_assets.settings import Settings
 from backfill_assets.spec import TopicSpec
@@ -54,7 +54,7 @@ def _run(world: World, keys: list[str], first: str, last: str) -> dg.ExecuteInPr
 @pytest.fixture(scope="module")
 def world(stack_settings: Settings, spark_session: SparkSession) -> Iterator[World]:
     topic = f"orders_{uuid.uuid4().hex[:8]}"
-    spec = dataclasses.replace(SPECS[0], topic=topic)
+    spec = renamed(SPECS[0], topic=topic)
     config = GeneratorConfig(topic=topic, start=START, hours=HOURS, events_per_hour=150, seed=5)
     truth = generate(stack_settings, config)
     with dg.instance_for_test() as instance:
@@ -145,3 +145,12 @@ def test_current_state_converges_out_of_order(world: World, spark_session: Spark
         )
         assert result.success, result.all_events
     assert _state(spark_session, world) == _expected_state(world.config)
+
+
+def hourly_table(spec: TopicSpec) -> str:
+    """The shipped spec's event-time aggregate, renamed with the test's topic."""
+    return f"{spec.topic}_hourly"
+
+
+def current_table(spec: TopicSpec) -> str:
+    return spec.current_table

@@ -28,8 +28,8 @@ import pytest
 
 from backfill_assets import catalog, hostile, ledger
 from backfill_assets.assets import build_topic_assets
+from backfill_assets.declared import renamed
 from backfill_assets.definitions import RESOURCES, SPECS
-from backfill_assets.derived import current_table, hourly_table
 from backfill_assets.faults import branch_mutation
 from backfill_assets.resources import KafkaResource
 from backfill_assets.settings import Settings
@@ -116,7 +116,7 @@ def _failed(result: dg.ExecuteInProcessResult) -> str:
 @pytest.fixture(scope="module")
 def world(stack_settings: Settings, spark_session: SparkSession) -> Iterator[World]:
     topic = f"hostile_{uuid.uuid4().hex[:8]}"
-    spec = dataclasses.replace(SPECS[0], topic=topic, quarantine_max_ratio=0.0)
+    spec = renamed(SPECS[0], topic=topic, quarantine_max_ratio=0.0)
     config = hostile.HostileConfig(
         start=START, topic=topic, partitions=3, hours=8, events_per_hour=40, seed=11
     )
@@ -359,7 +359,7 @@ def test_an_open_transaction_holds_the_hour_until_it_ends(
     hour: the run fails retryably, naming the partition and the transaction, and writes
     nothing. Once the transaction commits, the same run publishes, its record included."""
     topic = f"opentxn_{uuid.uuid4().hex[:8]}"
-    spec = dataclasses.replace(SPECS[0], topic=topic)
+    spec = renamed(SPECS[0], topic=topic)
     assets = build_topic_assets(spec)
     config = hostile.HostileConfig(
         start=START, topic=topic, partitions=2, hours=2, events_per_hour=10, seed=3
@@ -546,3 +546,12 @@ def test_the_same_tables_on_a_machine_in_berlin(tmp_path: Any) -> None:
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and " failed" not in done.stdout
+
+
+def hourly_table(spec: TopicSpec) -> str:
+    """The shipped spec's event-time aggregate, renamed with the test's topic."""
+    return f"{spec.topic}_hourly"
+
+
+def current_table(spec: TopicSpec) -> str:
+    return spec.current_table

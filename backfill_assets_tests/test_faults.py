@@ -48,6 +48,7 @@ from urllib.parse import urlparse
 import pytest
 
 from backfill_assets import wap
+from backfill_assets.declared import renamed
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
@@ -105,7 +106,7 @@ def _spark_table(settings: Settings, spec: TopicSpec) -> str:
 def _spec(topic: str) -> TopicSpec:
     from backfill_assets.definitions import SPECS
 
-    return dataclasses.replace(SPECS[0], topic=topic)
+    return renamed(SPECS[0], topic=topic)
 
 
 def _generate(settings: Settings, topic: str) -> GroundTruth:

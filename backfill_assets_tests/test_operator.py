@@ -178,8 +178,9 @@ def test_backfill_audit_and_rollback(
     assert out.returncode == 0, out.stdout + out.stderr
     ids = sorted(set(re.findall(r"launched backfill (\S+):", out.stdout)))
     assert len(ids) == 1, out.stdout  # one backfill object, as the UI creates
-    # raw and current over 4 hours, hourly over the one event hour complete within the range
-    assert re.search(r"9/9 asset partitions \(0 failed\)", out.stdout), out.stdout
+    # raw and current over 4 hours; each declared table (orders_hourly, orders_large_paid) over
+    # the one event hour complete within the range
+    assert re.search(r"10/10 asset partitions \(0 failed\)", out.stdout), out.stdout
 
     # The UI's backfill list shows them, completed.
     listed = _graphql(
@@ -197,6 +198,7 @@ def test_backfill_audit_and_rollback(
         "lake.lakehouse.raw_orders",
         "lake.lakehouse.orders_current",
         "lake.lakehouse.orders_hourly",
+        "lake.lakehouse.orders_large_paid",
     }
     assert all(r["launched_by"].startswith("cli:") for r in rows)
 
@@ -214,4 +216,8 @@ def test_backfill_audit_and_rollback(
         r["event"]
         for r in json.loads(_cli(cli_env, "audit", "--backfill", ids[0], "--json").stdout)
     ]
-    assert events.count("rollback") == 3  # raw, current and hourly
+    rolled = [r["table_name"] for r in json.loads(
+        _cli(cli_env, "audit", "--backfill", ids[0], "--json").stdout
+    ) if r["event"] == "rollback"]
+    assert sorted(rolled) == sorted(published)
+    assert events.count("rollback") == 4

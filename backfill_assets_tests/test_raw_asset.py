@@ -19,6 +19,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from backfill_assets.assets import build_raw_asset
+from backfill_assets.declared import renamed
 from backfill_assets.definitions import RESOURCES, SPECS
 from backfill_assets.generator import GeneratorConfig, GroundTruth, generate, hour_iso, plan_events
 from backfill_assets.settings import Settings
@@ -50,7 +51,7 @@ class World:
 @pytest.fixture(scope="module")
 def world(stack_settings: Settings, spark_session: SparkSession) -> Iterator[World]:
     topic = f"orders_{uuid.uuid4().hex[:8]}"
-    spec = dataclasses.replace(SPECS[0], topic=topic)
+    spec = renamed(SPECS[0], topic=topic)
     truth = generate(
         stack_settings,
         GeneratorConfig(topic=topic, start=START, hours=6, events_per_hour=200, seed=11),

@@ -3,7 +3,6 @@ and say whether it is archived."""
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -17,6 +16,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 
 from backfill_assets import catalog, detect
 from backfill_assets.archiver import run_archiver
+from backfill_assets.declared import renamed
 from backfill_assets.definitions import SPECS
 from backfill_assets.generator import GeneratorConfig, generate
 from backfill_assets.resources import IcebergResource, KafkaResource
@@ -39,7 +39,7 @@ def _set_retention(settings: Settings, topic: str, ms: int) -> None:
 
 def test_hours_about_to_leave_retention_are_reported(stack_settings: Settings) -> None:
     topic = f"ret_{uuid.uuid4().hex[:8]}"
-    spec = dataclasses.replace(SPECS[0], topic=topic)
+    spec = renamed(SPECS[0], topic=topic)
     truth = generate(
         stack_settings, GeneratorConfig(topic=topic, start=START, hours=3, events_per_hour=30)
     )

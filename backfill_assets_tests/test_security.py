@@ -28,6 +28,7 @@ import pytest
 from backfill_assets import audit, catalog, replay
 from backfill_assets.assets import build_raw_asset
 from backfill_assets.broker import LocalBroker
+from backfill_assets.declared import renamed
 from backfill_assets.definitions import RESOURCES, SPECS
 from backfill_assets.generator import GeneratorConfig, generate
 from backfill_assets.settings import Settings
@@ -237,7 +238,7 @@ def test_backfill_through_sasl_leaks_the_password_nowhere(
     for key, value in sasl_stack.env.items():
         monkeypatch.setenv(key, value)
     topic = f"orders_sasl_{uuid.uuid4().hex[:8]}"
-    spec = dataclasses.replace(SPECS[0], topic=topic)
+    spec = renamed(SPECS[0], topic=topic)
     truth = generate(
         sasl_stack.settings,
         GeneratorConfig(topic=topic, start=START, hours=2, events_per_hour=60, seed=5),
@@ -332,7 +333,7 @@ def test_wrong_password_fails_at_once_naming_broker_and_cause(
     wrong = f"wrong-{uuid.uuid4().hex}"
     for key, value in {**sasl_stack.env, "BACKFILL_KAFKA_SASL_PASSWORD": wrong}.items():
         monkeypatch.setenv(key, value)
-    spec = dataclasses.replace(SPECS[0], topic=f"orders_sasl_{uuid.uuid4().hex[:8]}")
+    spec = renamed(SPECS[0], topic=f"orders_sasl_{uuid.uuid4().hex[:8]}")
     began = time.monotonic()
     (tmp_path / "dagster").mkdir()
     with dg.instance_for_test(temp_dir=str(tmp_path / "dagster")) as instance:

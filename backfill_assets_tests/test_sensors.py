@@ -17,6 +17,7 @@ from confluent_kafka import Producer
 
 from backfill_assets import catalog, rollback
 from backfill_assets.assets import build_topic_assets
+from backfill_assets.declared import renamed
 from backfill_assets.definitions import RESOURCES, SPECS
 from backfill_assets.generator import GeneratorConfig, GroundTruth, generate, partition_for
 from backfill_assets.sensors import build_gap_sensor, build_late_data_sensor
@@ -44,7 +45,7 @@ class World:
 @pytest.fixture(scope="module")
 def world(stack_settings: Settings, spark_session: SparkSession) -> Iterator[World]:
     topic = f"orders_{uuid.uuid4().hex[:8]}"
-    spec = dataclasses.replace(SPECS[0], topic=topic)
+    spec = renamed(SPECS[0], topic=topic)
     truth = generate(
         stack_settings,
         GeneratorConfig(topic=topic, start=START, hours=HOURS, events_per_hour=80, seed=21),
@@ -113,7 +114,10 @@ def test_gaps_rollbacks_and_late_data(
 ) -> None:
     raw = f"raw/{world.spec.topic}"
     current = f"lakehouse/{world.spec.topic}_current"
-    hourly = f"lakehouse/{world.spec.topic}_hourly"
+    # The declared tables (the shipped spec's orders_hourly and orders_large_paid, renamed):
+    # both read the topic's events, so they are due for the same hours and requested together.
+    tables = sorted(f"lakehouse/{t.name}" for t in world.spec.tables)
+    assert len(tables) == 2
 
     # 1. Nothing materialized: all eight Kafka hours are one gap for raw + current.
     assert _tick(world, "gap") == [("raw", sorted([current, raw]), _h(0), _h(7))]
@@ -122,7 +126,7 @@ def test_gaps_rollbacks_and_late_data(
     # 2. Hours 0-3 published: the rest is the gap; event hour 0 (reads Kafka hours 0-3) is due.
     first_run = _run(world, [raw, current], _h(0), _h(3))
     assert _tick(world, "gap") == [
-        ("hourly", [hourly], _h(0), _h(0)),
+        ("derived", tables, _h(0), _h(0)),
         ("raw", sorted([current, raw]), _h(4), _h(7)),
     ]
     assert _tick(world, "gap") == []
@@ -139,8 +143,8 @@ def test_gaps_rollbacks_and_late_data(
     # 4. Everything published: every event hour is due. Hours 5-7 too: the Kafka hours they
     # also read (up to 10) are closed and hold no records.
     _run(world, [raw, current], _h(0), _h(7))
-    assert _tick(world, "gap") == [("hourly", [hourly], _h(0), _h(7))]
-    _run(world, [hourly], _h(0), _h(7))
+    assert _tick(world, "gap") == [("derived", tables, _h(0), _h(7))]
+    _run(world, tables, _h(0), _h(7))
     assert _tick(world, "gap") == []
     assert _tick(world, "late") == []
 
@@ -150,19 +154,19 @@ def test_gaps_rollbacks_and_late_data(
     _produce_late(world, stack_settings, kafka_hour=9, event_hour=1, count=3)
     assert _tick(world, "gap") == [("raw", sorted([current, raw]), _h(9), _h(9))]
     _run(world, [raw, current], _h(9), _h(9))
-    assert _tick(world, "late") == [("late", [hourly], _h(1), _h(1))]
+    assert _tick(world, "late") == [("late", tables, _h(1), _h(1))]
     assert _tick(world, "late") == []
-    _run(world, [hourly], _h(1), _h(1))
+    _run(world, tables, _h(1), _h(1))
     assert _tick(world, "late") == []
 
     # Event hours 6, 7 and 9 also read Kafka hour 9 (allowed lateness 3 h): they are due now
     # (hour 8 holds no records and is never due).
     assert _tick(world, "gap") == [
-        ("hourly", [hourly], _h(6), _h(7)),
-        ("hourly", [hourly], _h(9), _h(9)),
+        ("derived", tables, _h(6), _h(7)),
+        ("derived", tables, _h(9), _h(9)),
     ]
-    _run(world, [hourly], _h(6), _h(7))
-    _run(world, [hourly], _h(9), _h(9))
+    _run(world, tables, _h(6), _h(7))
+    _run(world, tables, _h(9), _h(9))
     assert _tick(world, "gap") == []
     assert _tick(world, "late") == []
 
@@ -183,7 +187,7 @@ def _expire_snapshots(world: World, stack_settings: Settings, spark_session: Spa
     for table in (
         world.spec.raw_table,
         f"{world.spec.topic}_current",
-        f"{world.spec.topic}_hourly",
+        *(t.name for t in world.spec.tables),
     ):
         before = spark_session.sql(f"SELECT snapshot_id FROM lake.{ns}.{table}.snapshots").count()
         spark_session.sql(

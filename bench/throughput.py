@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+
+from backfill_assets.declared import renamed
 import functools
 import json
 import os
@@ -75,7 +77,7 @@ def orders_spec(topic: str) -> TopicSpec:
     from backfill_assets.spec import load_specs
 
     (orders,) = [s for s in load_specs() if s.topic == "orders"]
-    return dataclasses.replace(orders, topic=topic)
+    return renamed(orders, topic=topic)
 
 
 def resources() -> dict[str, object]:
