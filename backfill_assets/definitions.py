@@ -44,3 +44,6 @@ def build_defs(specs: Sequence[TopicSpec]) -> dg.Definitions:
 
 SPECS = load_specs()
 defs = build_defs(SPECS)
+ASSETS: list[dg.AssetsDefinition] = [
+    a for a in defs.assets or [] if isinstance(a, dg.AssetsDefinition)
+]

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-
-from backfill_assets.declared import renamed
 import functools
 import json
 import os
@@ -74,6 +72,7 @@ def partition_key(hour: datetime) -> str:
 
 
 def orders_spec(topic: str) -> TopicSpec:
+    from backfill_assets.declared import renamed
     from backfill_assets.spec import load_specs
 
     (orders,) = [s for s in load_specs() if s.topic == "orders"]
