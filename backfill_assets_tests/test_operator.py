@@ -216,8 +216,10 @@ def test_backfill_audit_and_rollback(
         r["event"]
         for r in json.loads(_cli(cli_env, "audit", "--backfill", ids[0], "--json").stdout)
     ]
-    rolled = [r["table_name"] for r in json.loads(
-        _cli(cli_env, "audit", "--backfill", ids[0], "--json").stdout
-    ) if r["event"] == "rollback"]
+    rolled = [
+        r["table_name"]
+        for r in json.loads(_cli(cli_env, "audit", "--backfill", ids[0], "--json").stdout)
+        if r["event"] == "rollback"
+    ]
     assert sorted(rolled) == sorted(published)
     assert events.count("rollback") == 4
