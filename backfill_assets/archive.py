@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from confluent_kafka.admin import AdminClient
 
     from backfill_assets.resources import KafkaResource
-    from backfill_assets.settings import Settings
+    from backfill_assets.stack.settings import Settings
 
 _NAME = re.compile(r"^(\d{20})-(\d{20})\.parquet$")
 # The only isolation level the archive is read and written with; recorded in every file.

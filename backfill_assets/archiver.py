@@ -22,8 +22,8 @@ import dagster as dg
 from backfill_assets import audit
 from backfill_assets.archive import Archive, PartitionRun
 from backfill_assets.resources import IcebergResource, KafkaResource
-from backfill_assets.settings import Settings
 from backfill_assets.spec import TopicSpec
+from backfill_assets.stack.settings import Settings
 
 
 def archive_asset_key(spec: TopicSpec) -> dg.AssetKey:

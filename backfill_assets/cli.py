@@ -20,11 +20,11 @@ from typing import Any
 import dagster as dg
 import yaml
 
-from backfill_assets import catalog, jars
-from backfill_assets.broker import LocalBroker
 from backfill_assets.errors import BackfillError
-from backfill_assets.settings import Settings
 from backfill_assets.spec import TopicSpec
+from backfill_assets.stack import catalog, jars
+from backfill_assets.stack.broker import LocalBroker
+from backfill_assets.stack.settings import Settings
 
 
 def _cmd_jars(args: argparse.Namespace, settings: Settings) -> int:

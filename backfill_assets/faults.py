@@ -3,7 +3,7 @@ to die by SIGKILL, to prove that a crash at any of them leaves main either untou
 published, and that a re-run converges.
 
 A failpoint does nothing unless ``BACKFILL_FAULT_POINT`` (read by
-:mod:`backfill_assets.settings`) names it. Then it sends SIGKILL: to the whole process group
+:mod:`backfill_assets.stack.settings`) names it. Then it sends SIGKILL: to the whole process group
 when this process leads it (the fault tests start each run with its own session, so the Spark
 JVM and its Python workers die in the same instant, as when a container or node dies), else to
 this process alone. Nothing runs after it: no ``finally``, no ``atexit``, no audit row.
@@ -38,7 +38,7 @@ POINTS = (
 
 def failpoint(name: str) -> None:
     """SIGKILL this run here if ``BACKFILL_FAULT_POINT`` names ``name``; otherwise nothing."""
-    from backfill_assets.settings import Settings
+    from backfill_assets.stack.settings import Settings
 
     if name not in POINTS:
         raise ValueError(f"unknown failpoint {name!r}; known: {', '.join(POINTS)}")

@@ -48,7 +48,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 
 from backfill_assets.errors import GeneratorError
-from backfill_assets.settings import Settings
+from backfill_assets.stack.settings import Settings
 
 RecordKind = Literal["valid", "duplicate", "malformed", "tombstone"]
 SchemaVersion = Literal[1, 2]

@@ -88,7 +88,7 @@ from backfill_assets.generator import (
     _wait_for_topic,
     partition_for,
 )
-from backfill_assets.settings import Settings
+from backfill_assets.stack.settings import Settings
 
 Kind = Literal["event", "resend", "correction", "tombstone"]
 KINDS: tuple[Kind, ...] = ("event", "resend", "correction", "tombstone")

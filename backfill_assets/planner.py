@@ -15,12 +15,13 @@ from typing import Any
 import dagster as dg
 from confluent_kafka import Consumer, TopicPartition
 
-from backfill_assets import catalog, ledger
+from backfill_assets import ledger
 from backfill_assets.archive import Archive
 from backfill_assets.assets import BACKFILL_POLICY, raw_asset_key, table_asset_key
 from backfill_assets.replay import OffsetContract, offset_contract
 from backfill_assets.resources import KafkaResource
 from backfill_assets.spec import TopicSpec
+from backfill_assets.stack import catalog
 from backfill_assets.windows import WindowError, WindowNotSealed
 
 SAMPLE_RECORDS = 2000

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
 
     from backfill_assets.resources import IcebergResource, KafkaResource
-    from backfill_assets.settings import Settings
+    from backfill_assets.stack.settings import Settings
 
 _SPARK_TYPES = {
     "string": "string",

@@ -1,6 +1,6 @@
 """Dagster resources: Kafka metadata/offsets, the Spark session and the Iceberg catalog.
 
-All three read :class:`~backfill_assets.settings.Settings` from the environment when a run
+All three read :class:`~backfill_assets.stack.settings.Settings` from the environment when a run
 starts, so no connection detail or secret ever lands in run config or the Dagster UI.
 """
 
@@ -16,15 +16,15 @@ from dagster_pyspark import PySparkResource
 from pydantic import Field
 from pyiceberg.catalog import Catalog
 
-from backfill_assets import catalog, spark
-from backfill_assets.settings import Settings
+from backfill_assets.stack import catalog, spark
+from backfill_assets.stack.settings import Settings
 
 
 class SparkResource(PySparkResource):
     """dagster-pyspark's session resource, configured from the settings module.
 
     ``spark_config`` holds only extra, non-secret overrides; the base configuration (master,
-    jars, Iceberg catalog) comes from :func:`backfill_assets.spark.spark_config`.
+    jars, Iceberg catalog) comes from :func:`backfill_assets.stack.spark.spark_config`.
     """
 
     spark_config: dict[str, Any] = Field(default_factory=dict)

@@ -159,7 +159,7 @@ class TopicSpec:
 
 def spec_path() -> Path:
     """The spec Definitions load: ``BACKFILL_SPEC`` if set, else the package's topics.yaml."""
-    from backfill_assets.settings import Settings
+    from backfill_assets.stack.settings import Settings
 
     return Settings.from_env().spec_path or SPEC_PATH
 

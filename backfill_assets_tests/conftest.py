@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from backfill_assets import jars
-from backfill_assets.broker import LocalBroker
-from backfill_assets.settings import REPO_ROOT, Settings
+from backfill_assets.stack import jars
+from backfill_assets.stack.broker import LocalBroker
+from backfill_assets.stack.settings import REPO_ROOT, Settings
 
 # The suite runs as on a laptop that is not on UTC (issue 11: naive datetimes were read in the
 # local zone and overwrote the wrong hours). Set before any Spark JVM or Python worker starts,
@@ -83,7 +83,7 @@ def stack_settings(stack_env: dict[str, str]) -> Iterator[Settings]:
 
 @pytest.fixture(scope="session")
 def spark_session(stack_settings: Settings) -> Iterator[SparkSession]:
-    from backfill_assets import spark
+    from backfill_assets.stack import spark
 
     session = spark.get_session(stack_settings)
     try:
@@ -94,7 +94,7 @@ def spark_session(stack_settings: Settings) -> Iterator[SparkSession]:
 
 @pytest.fixture(scope="session")
 def iceberg_catalog(stack_settings: Settings) -> Catalog:
-    from backfill_assets import catalog
+    from backfill_assets.stack import catalog
 
     cat = catalog.load(stack_settings.catalog)
     cat.create_namespace_if_not_exists(stack_settings.catalog.namespace)

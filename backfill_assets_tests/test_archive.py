@@ -24,7 +24,7 @@ from confluent_kafka import Consumer, IsolationLevel, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ignore[attr-defined]
 from dagster_shared.error import SerializableErrorInfo
 
-from backfill_assets import audit, catalog, planner
+from backfill_assets import audit, planner
 from backfill_assets.archive import SCHEMA, Archive, ArchiveError
 from backfill_assets.archiver import build_archive_asset, run_archiver
 from backfill_assets.assets import build_raw_asset
@@ -33,8 +33,9 @@ from backfill_assets.definitions import RESOURCES, SPECS
 from backfill_assets.generator import GeneratorConfig, GroundTruth, generate
 from backfill_assets.replay import checksum_expr
 from backfill_assets.resources import IcebergResource, KafkaResource
-from backfill_assets.settings import Settings
 from backfill_assets.spec import TopicSpec
+from backfill_assets.stack import catalog
+from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -270,7 +271,7 @@ def test_unknown_offsets_rule() -> None:
 
 
 def test_s3_archive_settings_reach_spark_and_pyarrow(stack_env: dict[str, str]) -> None:
-    from backfill_assets.spark import spark_config
+    from backfill_assets.stack.spark import spark_config
 
     env = {
         **stack_env,

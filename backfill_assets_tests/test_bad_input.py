@@ -70,8 +70,8 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from backfill_assets.assets import build_raw_asset
 from backfill_assets.declared import renamed
 from backfill_assets.definitions import RESOURCES, SPECS
-from backfill_assets.settings import Settings
 from backfill_assets.spec import TopicSpec
+from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

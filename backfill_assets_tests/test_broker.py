@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from backfill_assets.broker import LocalBroker, new_cluster_id
 from backfill_assets.errors import BrokerError
-from backfill_assets.settings import Settings
+from backfill_assets.stack.broker import LocalBroker, new_cluster_id
+from backfill_assets.stack.settings import Settings
 
 
 def _listening_addresses(port: int) -> set[str]:

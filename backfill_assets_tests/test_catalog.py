@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from backfill_assets.settings import Settings
+from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog

@@ -30,8 +30,8 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from backfill_assets.assets import build_topic_assets
 from backfill_assets.definitions import RESOURCES
 from backfill_assets.generator import TOPIC_CONFIGS
-from backfill_assets.settings import REPO_ROOT, Settings
 from backfill_assets.spec import SpecError, TopicSpec, load_specs
+from backfill_assets.stack.settings import REPO_ROOT, Settings
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

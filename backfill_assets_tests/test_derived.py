@@ -16,8 +16,8 @@ from backfill_assets.assets import build_topic_assets
 from backfill_assets.declared import renamed
 from backfill_assets.definitions import RESOURCES, SPECS
 from backfill_assets.generator import GeneratorConfig, GroundTruth, generate, plan_events
-from backfill_assets.settings import Settings
 from backfill_assets.spec import TopicSpec
+from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

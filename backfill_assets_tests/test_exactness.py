@@ -26,14 +26,15 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 import pytest
 
-from backfill_assets import catalog, hostile, ledger
+from backfill_assets import hostile, ledger
 from backfill_assets.assets import build_topic_assets
 from backfill_assets.declared import renamed
 from backfill_assets.definitions import RESOURCES, SPECS
 from backfill_assets.faults import branch_mutation
 from backfill_assets.resources import KafkaResource
-from backfill_assets.settings import Settings
 from backfill_assets.spec import TopicSpec
+from backfill_assets.stack import catalog
+from backfill_assets.stack.settings import Settings
 from backfill_assets.windows import HOUR, scan
 
 if TYPE_CHECKING:

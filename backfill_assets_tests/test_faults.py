@@ -55,8 +55,8 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
     from backfill_assets.generator import GroundTruth
-    from backfill_assets.settings import Settings
     from backfill_assets.spec import TopicSpec
+    from backfill_assets.stack.settings import Settings
 
 START = datetime(2026, 4, 1, tzinfo=UTC)
 HOURS = 10
@@ -381,7 +381,8 @@ class Reader(threading.Thread):
 
 # ------------------------------------------------------------------------------ catalog views
 def _audit_rows(settings: Settings, run_id: str) -> list[dict[str, Any]]:
-    from backfill_assets import audit, catalog
+    from backfill_assets import audit
+    from backfill_assets.stack import catalog
 
     return audit.query(catalog.load(settings.catalog), settings.catalog.namespace, run_id=run_id)
 
@@ -419,7 +420,7 @@ def _data_files(root: Path) -> set[str]:
 def test_fault_point_setting_is_validated_and_inert_when_unset() -> None:
     from backfill_assets import faults
     from backfill_assets.errors import SettingsError
-    from backfill_assets.settings import Settings
+    from backfill_assets.stack.settings import Settings
 
     with pytest.raises(SettingsError, match=r"BACKFILL_FAULT_POINT='nowhere'.*checks_passed"):
         Settings.from_env({"BACKFILL_FAULT_POINT": "nowhere"})
@@ -600,7 +601,7 @@ def test_broker_restart_mid_replay_fails_clearly_or_recovers(
     same data). The run must end on its own, never hang: either it retried and published the
     exact window, or it failed naming what it could not read with main untouched. Either way
     a re-run (if needed) converges with nothing lost or duplicated."""
-    from backfill_assets.broker import LocalBroker
+    from backfill_assets.stack.broker import LocalBroker
 
     spark = spark_session
     pre = _main_state(spark, world)

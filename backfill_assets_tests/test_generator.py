@@ -38,7 +38,7 @@ from backfill_assets.generator import (
     hour_iso,
     plan_events,
 )
-from backfill_assets.settings import Settings
+from backfill_assets.stack.settings import Settings
 
 START = datetime(2026, 1, 1, tzinfo=UTC)
 ISO_MILLIS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")

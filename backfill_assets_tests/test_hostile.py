@@ -49,8 +49,8 @@ from backfill_assets.hostile import (
     truth_from_log,
     windows,
 )
-from backfill_assets.settings import Settings
 from backfill_assets.spec import load_specs
+from backfill_assets.stack.settings import Settings
 
 START = datetime(2026, 1, 1, tzinfo=UTC)
 # record_hash(0, 5, b"k", b"v"), worked out by hand from the documented formula

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from backfill_assets import jars
 from backfill_assets.errors import JarResolutionError
-from backfill_assets.settings import Settings
+from backfill_assets.stack import jars
+from backfill_assets.stack.settings import Settings
 
 
 def test_second_resolution_does_nothing(stack_settings: Settings) -> None:

@@ -22,8 +22,8 @@ from backfill_assets.assets import build_raw_asset
 from backfill_assets.declared import renamed
 from backfill_assets.definitions import RESOURCES, SPECS
 from backfill_assets.generator import GeneratorConfig, GroundTruth, generate, hour_iso, plan_events
-from backfill_assets.settings import Settings
 from backfill_assets.spec import TopicSpec
+from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -224,7 +224,8 @@ def test_failed_check_leaves_main_untouched(world: World, spark_session: SparkSe
 
 
 def test_any_failure_is_audited(world: World, stack_settings: Settings) -> None:
-    from backfill_assets import audit, catalog
+    from backfill_assets import audit
+    from backfill_assets.stack import catalog
 
     missing = dataclasses.replace(world.spec, topic=f"missing_{uuid.uuid4().hex[:6]}")
     result = _backfill(world, missing)

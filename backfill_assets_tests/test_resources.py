@@ -11,7 +11,7 @@ from confluent_kafka.admin import AdminClient
 
 from backfill_assets.generator import GeneratorConfig, generate
 from backfill_assets.resources import KafkaResource
-from backfill_assets.settings import Settings
+from backfill_assets.stack.settings import Settings
 
 START = datetime(2026, 5, 1, tzinfo=UTC)
 

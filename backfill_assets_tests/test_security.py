@@ -25,13 +25,14 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 import pytest
 
-from backfill_assets import audit, catalog, replay
+from backfill_assets import audit, replay
 from backfill_assets.assets import build_raw_asset
-from backfill_assets.broker import LocalBroker
 from backfill_assets.declared import renamed
 from backfill_assets.definitions import RESOURCES, SPECS
 from backfill_assets.generator import GeneratorConfig, generate
-from backfill_assets.settings import Settings
+from backfill_assets.stack import catalog
+from backfill_assets.stack.broker import LocalBroker
+from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

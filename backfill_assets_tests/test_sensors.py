@@ -15,14 +15,15 @@ import dagster as dg
 import pytest
 from confluent_kafka import Producer
 
-from backfill_assets import catalog, rollback
+from backfill_assets import rollback
 from backfill_assets.assets import build_topic_assets
 from backfill_assets.declared import renamed
 from backfill_assets.definitions import RESOURCES, SPECS
 from backfill_assets.generator import GeneratorConfig, GroundTruth, generate, partition_for
 from backfill_assets.sensors import build_gap_sensor, build_late_data_sensor
-from backfill_assets.settings import Settings
 from backfill_assets.spec import TopicSpec
+from backfill_assets.stack import catalog
+from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

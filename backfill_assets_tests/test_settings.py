@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from backfill_assets import catalog, spark
 from backfill_assets.errors import SettingsError
-from backfill_assets.settings import Settings
+from backfill_assets.stack import catalog, spark
+from backfill_assets.stack.settings import Settings
 
 
 def test_local_defaults_describe_the_embedded_stack(tmp_path: object) -> None:

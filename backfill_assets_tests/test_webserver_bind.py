@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import urllib.parse
 
-from backfill_assets.settings import REPO_ROOT, Settings
+from backfill_assets.stack.settings import REPO_ROOT, Settings
 from backfill_assets_tests.test_broker import _listening_addresses
 
 

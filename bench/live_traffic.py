@@ -106,12 +106,12 @@ def main() -> None:
             "BACKFILL_SENSORS": "off",
         }
     )
-    from backfill_assets import spark as spark_mod
-    from backfill_assets.broker import LocalBroker
     from backfill_assets.generator import GeneratorConfig, generate
     from backfill_assets.replay import offset_contract, read_contract, read_throttled
     from backfill_assets.resources import KafkaResource
-    from backfill_assets.settings import Settings
+    from backfill_assets.stack import spark as spark_mod
+    from backfill_assets.stack.broker import LocalBroker
+    from backfill_assets.stack.settings import Settings
 
     settings = Settings.from_env()
     broker = LocalBroker(settings)

@@ -51,8 +51,8 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
     from backfill_assets.replay import OffsetContract
-    from backfill_assets.settings import Settings
     from backfill_assets.spec import TopicSpec
+    from backfill_assets.stack.settings import Settings
 
 HISTORY_START = datetime(2026, 9, 1, tzinfo=UTC)
 CHILD_MARKER = "BENCH_CHILD_RESULT "
@@ -201,8 +201,8 @@ def jvm_old_gen_peak_mib(spark: SparkSession) -> float:
 
 def child(args: argparse.Namespace) -> None:
     """One materialization in this fresh process; print its peak memory as one JSON line."""
-    from backfill_assets import spark as spark_mod
-    from backfill_assets.settings import Settings
+    from backfill_assets.stack import spark as spark_mod
+    from backfill_assets.stack.settings import Settings
 
     start = datetime.fromisoformat(args.start)
     use_namespace(args.namespace)
@@ -333,9 +333,9 @@ def main() -> None:
             "BACKFILL_SENSORS": "off",
         }
     )
-    from backfill_assets.broker import LocalBroker
     from backfill_assets.generator import GeneratorConfig, generate
-    from backfill_assets.settings import Settings
+    from backfill_assets.stack.broker import LocalBroker
+    from backfill_assets.stack.settings import Settings
 
     settings = Settings.from_env()
     print(
@@ -374,9 +374,9 @@ def main() -> None:
 
 
 def throughput(args: argparse.Namespace, settings: Settings, topic: str, start: datetime) -> None:
-    from backfill_assets import spark as spark_mod
     from backfill_assets.replay import offset_contract
     from backfill_assets.resources import KafkaResource
+    from backfill_assets.stack import spark as spark_mod
 
     spec = orders_spec(topic)
     kafka = KafkaResource()

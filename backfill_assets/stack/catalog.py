@@ -5,7 +5,7 @@ reaches it through Iceberg's JDBC catalog (sqlite-jdbc), pyiceberg through ``Sql
 Both use the same two tables (``iceberg_tables``, ``iceberg_namespace_properties``); every
 table commit is a single-row compare-and-swap of ``metadata_location``, so it is atomic for
 readers of either engine. In production the same functions build a REST or JDBC/Postgres
-catalog on object storage from :class:`~backfill_assets.settings.CatalogSettings`.
+catalog on object storage from :class:`~backfill_assets.stack.settings.CatalogSettings`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from urllib.parse import quote, urlparse
 
 from pyiceberg.catalog import Catalog, load_catalog
 
-from backfill_assets.settings import CatalogSettings
+from backfill_assets.stack.settings import CatalogSettings
 
 # The DDL Iceberg's Java JdbcCatalog uses with jdbc.schema-version=V1 (views supported).
 # Created up front so whichever engine touches the catalog first, both find the same schema.

@@ -1,6 +1,6 @@
 """Manage the embedded local Apache Kafka broker (KRaft, broker+controller in one JVM).
 
-The broker runs from the jars resolved by :mod:`backfill_assets.jars`, listens on 127.0.0.1
+The broker runs from the jars resolved by :mod:`backfill_assets.stack.jars`, listens on 127.0.0.1
 only, and keeps its log directories, config, PID file and log under ``<home>/kafka``.
 Formatting the KRaft storage happens once; ``start`` is a no-op when our broker already runs;
 ``stop`` signals only the PID this module started (checked against the process command line).
@@ -23,9 +23,9 @@ from pathlib import Path
 
 from confluent_kafka.admin import AdminClient
 
-from backfill_assets import jars
 from backfill_assets.errors import BrokerError, JarResolutionError
-from backfill_assets.settings import REPO_ROOT, Settings, jaas_quote
+from backfill_assets.stack import jars
+from backfill_assets.stack.settings import REPO_ROOT, Settings, jaas_quote
 
 _LOG4J_CONFIG = REPO_ROOT / "infra" / "kafka" / "log4j2.properties"
 _MAIN_CLASS = "kafka.Kafka"

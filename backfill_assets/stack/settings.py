@@ -17,7 +17,7 @@ from typing import Literal
 
 from backfill_assets.errors import SettingsError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 CatalogKind = Literal["sql", "rest"]
 _SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")

@@ -1,5 +1,5 @@
 """Spark configuration: the same code builds a ``local[2]`` session here and a cluster one in
-production; only :class:`~backfill_assets.settings.Settings` differs."""
+production; only :class:`~backfill_assets.stack.settings.Settings` differs."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from backfill_assets import catalog, jars
-from backfill_assets.settings import Settings
+from backfill_assets.stack import catalog, jars
+from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

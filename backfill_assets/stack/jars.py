@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 from backfill_assets.errors import JarResolutionError
-from backfill_assets.settings import REPO_ROOT, Settings
+from backfill_assets.stack.settings import REPO_ROOT, Settings
 
 MAVEN_DIR = REPO_ROOT / "infra" / "maven"
 JAR_SETS = ("kafka-broker", "spark")

@@ -1,0 +1,1 @@
+"""The stack: settings, the local Kafka broker, jars, the Iceberg catalog and Spark."""
