@@ -11,12 +11,12 @@ from typing import Any
 import dagster as dg
 from dagster import AssetExecutionContext
 
-from backfill_assets import audit, checks, declared, derived, ledger, replay, wap
-from backfill_assets.faults import failpoint
+from backfill_assets.lake import audit, checks, declared, derived, ledger, replay, wap
+from backfill_assets.lake.faults import failpoint
+from backfill_assets.lake.spec import TableSpec, TopicSpec
+from backfill_assets.lake.windows import hours_between
 from backfill_assets.partitions import kafka_hours
 from backfill_assets.resources import IcebergResource, KafkaResource, SparkResource
-from backfill_assets.spec import TableSpec, TopicSpec
-from backfill_assets.windows import hours_between
 
 # One run covers up to a week of hourly partitions: a 30-day backfill starts 5 runs (5 Spark
 # sessions and 5 branches), not 720. A week is also the retry unit: a failed run re-reads at
@@ -75,7 +75,7 @@ def _audit_and_publish(
     ``BACKFILL_PUBLISH_ATTEMPTS`` times; an overlapping publish is refused, naming its run.
     Every outcome is appended to the audit table; a publish also to the ledger (its hours and
     offsets), after the fast-forward (the snapshot summary holds the same, for
-    :func:`backfill_assets.ledger.sync_from_history`). Returns main's new snapshot id.
+    :func:`backfill_assets.lake.ledger.sync_from_history`). Returns main's new snapshot id.
     """
     window = context.partition_time_window
     tags = dict(context.run.tags)

@@ -21,7 +21,7 @@ import dagster as dg
 import yaml
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.spec import TopicSpec
+from backfill_assets.lake.spec import TopicSpec
 from backfill_assets.stack import catalog, jars
 from backfill_assets.stack.broker import LocalBroker
 from backfill_assets.stack.settings import Settings
@@ -105,9 +105,9 @@ def _ranges(
     and current-state tables over [start, end); each declared table over the event-time hours
     whose inputs all arrived within the range: [start, end - lateness) for a table reading a
     topic, the hours its declared inputs cover for one reading declared tables."""
-    from backfill_assets import declared
     from backfill_assets.assets import current_asset_key, raw_asset_key, table_asset_key
     from backfill_assets.definitions import SPECS
+    from backfill_assets.lake import declared
 
     known = declared.relations(SPECS)
     settled: dict[str, datetime] = {}
@@ -161,9 +161,9 @@ def _cmd_materialize(args: argparse.Namespace, settings: Settings) -> int:
 
 def _cmd_archive(args: argparse.Namespace, settings: Settings) -> int:
     """Copy new records of a topic to the archive now (``--status``: show what is archived)."""
-    from backfill_assets.archive import Archive
-    from backfill_assets.archiver import run_archiver
     from backfill_assets.definitions import SPECS
+    from backfill_assets.lake.archive import Archive
+    from backfill_assets.lake.archiver import run_archiver
     from backfill_assets.resources import IcebergResource, KafkaResource
 
     spec = next((s for s in SPECS if s.topic == args.topic), None)
@@ -310,7 +310,7 @@ def _printer(backfill_id: str) -> Callable[[Any], None]:
 
 
 def _cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
-    from backfill_assets import audit
+    from backfill_assets.lake import audit
 
     rows = audit.query(
         catalog.load(settings.catalog),
@@ -343,7 +343,7 @@ def _cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_rollback(args: argparse.Namespace, settings: Settings) -> int:
-    from backfill_assets.rollback import rollback
+    from backfill_assets.lake.rollback import rollback
 
     results = rollback(
         catalog.load(settings.catalog),
@@ -365,8 +365,8 @@ def _cmd_rollback(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_gaps(args: argparse.Namespace, settings: Settings) -> int:
-    from backfill_assets import detect
     from backfill_assets.definitions import SPECS
+    from backfill_assets.lake import detect
     from backfill_assets.resources import KafkaResource
 
     specs = {s.topic: s for s in SPECS}

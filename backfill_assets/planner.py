@@ -15,14 +15,14 @@ from typing import Any
 import dagster as dg
 from confluent_kafka import Consumer, TopicPartition
 
-from backfill_assets import ledger
-from backfill_assets.archive import Archive
 from backfill_assets.assets import BACKFILL_POLICY, raw_asset_key, table_asset_key
-from backfill_assets.replay import OffsetContract, offset_contract
+from backfill_assets.lake import ledger
+from backfill_assets.lake.archive import Archive
+from backfill_assets.lake.replay import OffsetContract, offset_contract
+from backfill_assets.lake.spec import TopicSpec
+from backfill_assets.lake.windows import WindowError, WindowNotSealed
 from backfill_assets.resources import KafkaResource
-from backfill_assets.spec import TopicSpec
 from backfill_assets.stack import catalog
-from backfill_assets.windows import WindowError, WindowNotSealed
 
 SAMPLE_RECORDS = 2000
 # Fixed cost of one run (process, Spark session, branch, checks, publish), used until history
@@ -144,7 +144,7 @@ class Plan:
 
 def target_tables(spec: TopicSpec) -> list[str]:
     """The tables a backfill of the topic writes, in dependency order."""
-    from backfill_assets.declared import ordered
+    from backfill_assets.lake.declared import ordered
 
     return [spec.raw_table, spec.current_table, *(t.name for t in ordered([spec]))]
 

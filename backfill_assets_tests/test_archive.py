@@ -24,16 +24,17 @@ from confluent_kafka import Consumer, IsolationLevel, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ignore[attr-defined]
 from dagster_shared.error import SerializableErrorInfo
 
-from backfill_assets import audit, planner
-from backfill_assets.archive import SCHEMA, Archive, ArchiveError
-from backfill_assets.archiver import build_archive_asset, run_archiver
+from backfill_assets import planner
 from backfill_assets.assets import build_raw_asset
-from backfill_assets.declared import renamed
 from backfill_assets.definitions import RESOURCES, SPECS
 from backfill_assets.generator import GeneratorConfig, GroundTruth, generate
-from backfill_assets.replay import checksum_expr
+from backfill_assets.lake import audit
+from backfill_assets.lake.archive import SCHEMA, Archive, ArchiveError
+from backfill_assets.lake.archiver import build_archive_asset, run_archiver
+from backfill_assets.lake.declared import renamed
+from backfill_assets.lake.replay import checksum_expr
+from backfill_assets.lake.spec import TopicSpec
 from backfill_assets.resources import IcebergResource, KafkaResource
-from backfill_assets.spec import TopicSpec
 from backfill_assets.stack import catalog
 from backfill_assets.stack.settings import Settings
 
@@ -257,7 +258,7 @@ def test_range_in_neither_kafka_nor_archive_fails_naming_offsets(
 def test_unknown_offsets_rule() -> None:
     """Offsets below the log start that are not archived block a window that overlaps them
     or begins right after them (their timestamps are unknown), and nothing else."""
-    from backfill_assets.windows import _unknown
+    from backfill_assets.lake.windows import _unknown
 
     assert _unknown(40, 100, [(0, 100)]) is None  # fully archived below log start
     assert _unknown(100, 100, []) == (0, 100)  # window may begin in deleted data

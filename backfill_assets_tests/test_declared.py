@@ -30,7 +30,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from backfill_assets.assets import build_topic_assets
 from backfill_assets.definitions import RESOURCES
 from backfill_assets.generator import TOPIC_CONFIGS
-from backfill_assets.spec import SpecError, TopicSpec, load_specs
+from backfill_assets.lake.spec import SpecError, TopicSpec, load_specs
 from backfill_assets.stack.settings import REPO_ROOT, Settings
 
 if TYPE_CHECKING:
@@ -437,7 +437,7 @@ def world(
 def test_spec_only_topic_loads_with_dependency_order(tmp_path: Path) -> None:
     n = _names()
     (spec,) = load_specs(_write_spec(tmp_path, n))
-    from backfill_assets import declared
+    from backfill_assets.lake import declared
 
     assert spec.version_field is None and not spec.upcasters and spec.latest_version == 1
     order = [t.name for t in declared.ordered([spec])]

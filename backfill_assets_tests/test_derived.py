@@ -13,10 +13,10 @@ import dagster as dg
 import pytest
 
 from backfill_assets.assets import build_topic_assets
-from backfill_assets.declared import renamed
 from backfill_assets.definitions import RESOURCES, SPECS
 from backfill_assets.generator import GeneratorConfig, GroundTruth, generate, plan_events
-from backfill_assets.spec import TopicSpec
+from backfill_assets.lake.declared import renamed
+from backfill_assets.lake.spec import TopicSpec
 from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:

@@ -26,16 +26,17 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 import pytest
 
-from backfill_assets import hostile, ledger
+from backfill_assets import hostile
 from backfill_assets.assets import build_topic_assets
-from backfill_assets.declared import renamed
 from backfill_assets.definitions import RESOURCES, SPECS
-from backfill_assets.faults import branch_mutation
+from backfill_assets.lake import ledger
+from backfill_assets.lake.declared import renamed
+from backfill_assets.lake.faults import branch_mutation
+from backfill_assets.lake.spec import TopicSpec
+from backfill_assets.lake.windows import HOUR, scan
 from backfill_assets.resources import KafkaResource
-from backfill_assets.spec import TopicSpec
 from backfill_assets.stack import catalog
 from backfill_assets.stack.settings import Settings
-from backfill_assets.windows import HOUR, scan
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -400,7 +401,7 @@ def test_an_open_transaction_holds_the_hour_until_it_ends(
 
 # ---------------------------------------------------------------------------------------------
 # Mutation tests: each check must block the fault it exists to catch. A mutation is applied
-# to the run's branch right after its write (backfill_assets.faults.branch_mutation).
+# to the run's branch right after its write (backfill_assets.lake.faults.branch_mutation).
 # ---------------------------------------------------------------------------------------------
 
 

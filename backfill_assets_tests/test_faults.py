@@ -4,7 +4,7 @@ Every materialization under test runs in its own process (``python -m
 backfill_assets_tests.test_faults``, the runner at the bottom of this file) with this session's
 ``BACKFILL_*`` environment and a shared temporary ``DAGSTER_HOME``, as its own process group,
 so a SIGKILL takes the run's Spark JVM and Python workers with it (a container or node dying).
-Kills come from the failpoints of :mod:`backfill_assets.faults` (``BACKFILL_FAULT_POINT``) or,
+Kills come from the failpoints of :mod:`backfill_assets.lake.faults` (``BACKFILL_FAULT_POINT``) or,
 for the branch write, from this test watching the table's data directory and killing the
 process group the moment the write's first data file appears.
 
@@ -47,15 +47,15 @@ from urllib.parse import urlparse
 
 import pytest
 
-from backfill_assets import wap
-from backfill_assets.declared import renamed
+from backfill_assets.lake import wap
+from backfill_assets.lake.declared import renamed
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
     from pyspark.sql import SparkSession
 
     from backfill_assets.generator import GroundTruth
-    from backfill_assets.spec import TopicSpec
+    from backfill_assets.lake.spec import TopicSpec
     from backfill_assets.stack.settings import Settings
 
 START = datetime(2026, 4, 1, tzinfo=UTC)
@@ -283,7 +283,7 @@ class MainState:
 
 
 def _main_snapshot(spark: SparkSession, table: str) -> int | None:
-    from backfill_assets.wap import ref_snapshot_id
+    from backfill_assets.lake.wap import ref_snapshot_id
 
     if not spark.catalog.tableExists(table):
         return None
@@ -294,7 +294,7 @@ def _main_state(spark: SparkSession, world: World) -> MainState:
     """Main's snapshot and, read at exactly that snapshot, its rows, checksum and hours."""
     from pyspark.sql import functions as F
 
-    from backfill_assets.replay import checksum_expr
+    from backfill_assets.lake.replay import checksum_expr
 
     snap = _main_snapshot(spark, world.table)
     if snap is None:
@@ -313,7 +313,7 @@ def _main_state(spark: SparkSession, world: World) -> MainState:
 def _per_hour(spark: SparkSession, table: str, spec: TopicSpec) -> dict[str, tuple[int, int]]:
     from pyspark.sql import functions as F
 
-    from backfill_assets.replay import checksum_expr
+    from backfill_assets.lake.replay import checksum_expr
 
     rows = (
         spark.table(table)
@@ -354,7 +354,7 @@ class Reader(threading.Thread):
     def run(self) -> None:
         from pyspark.sql import functions as F
 
-        from backfill_assets.replay import checksum_expr
+        from backfill_assets.lake.replay import checksum_expr
 
         try:
             while not self._stop_event.wait(3.0):
@@ -381,7 +381,7 @@ class Reader(threading.Thread):
 
 # ------------------------------------------------------------------------------ catalog views
 def _audit_rows(settings: Settings, run_id: str) -> list[dict[str, Any]]:
-    from backfill_assets import audit
+    from backfill_assets.lake import audit
     from backfill_assets.stack import catalog
 
     return audit.query(catalog.load(settings.catalog), settings.catalog.namespace, run_id=run_id)
@@ -418,8 +418,8 @@ def _data_files(root: Path) -> set[str]:
 
 # ------------------------------------------------------------------------------ the failpoints
 def test_fault_point_setting_is_validated_and_inert_when_unset() -> None:
-    from backfill_assets import faults
     from backfill_assets.errors import SettingsError
+    from backfill_assets.lake import faults
     from backfill_assets.stack.settings import Settings
 
     with pytest.raises(SettingsError, match=r"BACKFILL_FAULT_POINT='nowhere'.*checks_passed"):

@@ -49,7 +49,7 @@ from backfill_assets.hostile import (
     truth_from_log,
     windows,
 )
-from backfill_assets.spec import load_specs
+from backfill_assets.lake.spec import load_specs
 from backfill_assets.stack.settings import Settings
 
 START = datetime(2026, 1, 1, tzinfo=UTC)

@@ -19,9 +19,9 @@ import pytest
 
 from backfill_assets.definitions import ASSETS, RESOURCES
 from backfill_assets.generator import GeneratorConfig, GroundTruth, generate
-from backfill_assets.replay import checksum_expr
+from backfill_assets.lake.replay import checksum_expr
+from backfill_assets.lake.wap import ref_snapshot_id
 from backfill_assets.stack.settings import REPO_ROOT, Settings
-from backfill_assets.wap import ref_snapshot_id
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

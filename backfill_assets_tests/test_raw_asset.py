@@ -19,10 +19,10 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from backfill_assets.assets import build_raw_asset
-from backfill_assets.declared import renamed
 from backfill_assets.definitions import RESOURCES, SPECS
 from backfill_assets.generator import GeneratorConfig, GroundTruth, generate, hour_iso, plan_events
-from backfill_assets.spec import TopicSpec
+from backfill_assets.lake.declared import renamed
+from backfill_assets.lake.spec import TopicSpec
 from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def _main_summary(spark: SparkSession, table: str) -> dict[str, str]:
 
 
 def _main_checksum(spark: SparkSession, world: World) -> tuple[int, Any]:
-    from backfill_assets.replay import checksum_expr
+    from backfill_assets.lake.replay import checksum_expr
 
     df = spark.table(world.table)
     return df.count(), df.agg(checksum_expr(world.spec)).first()[0]  # type: ignore[index]
@@ -224,7 +224,7 @@ def test_failed_check_leaves_main_untouched(world: World, spark_session: SparkSe
 
 
 def test_any_failure_is_audited(world: World, stack_settings: Settings) -> None:
-    from backfill_assets import audit
+    from backfill_assets.lake import audit
     from backfill_assets.stack import catalog
 
     missing = dataclasses.replace(world.spec, topic=f"missing_{uuid.uuid4().hex[:6]}")

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 import pytest
 
-from backfill_assets import audit, replay
 from backfill_assets.assets import build_raw_asset
-from backfill_assets.declared import renamed
 from backfill_assets.definitions import RESOURCES, SPECS
 from backfill_assets.generator import GeneratorConfig, generate
+from backfill_assets.lake import audit, replay
+from backfill_assets.lake.declared import renamed
 from backfill_assets.stack import catalog
 from backfill_assets.stack.broker import LocalBroker
 from backfill_assets.stack.settings import Settings

@@ -15,13 +15,13 @@ import dagster as dg
 import pytest
 from confluent_kafka import Producer
 
-from backfill_assets import rollback
 from backfill_assets.assets import build_topic_assets
-from backfill_assets.declared import renamed
 from backfill_assets.definitions import RESOURCES, SPECS
 from backfill_assets.generator import GeneratorConfig, GroundTruth, generate, partition_for
+from backfill_assets.lake import rollback
+from backfill_assets.lake.declared import renamed
+from backfill_assets.lake.spec import TopicSpec
 from backfill_assets.sensors import build_gap_sensor, build_late_data_sensor
-from backfill_assets.spec import TopicSpec
 from backfill_assets.stack import catalog
 from backfill_assets.stack.settings import Settings
 
@@ -179,7 +179,7 @@ def test_gaps_rollbacks_and_late_data(
 
 
 def _expire_snapshots(world: World, stack_settings: Settings, spark_session: SparkSession) -> None:
-    from backfill_assets import ledger
+    from backfill_assets.lake import ledger
 
     ns = stack_settings.catalog.namespace
     raw_table = f"lake.{ns}.{world.spec.raw_table}"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from backfill_assets.spec import SPEC_PATH, SpecError, load_specs
+from backfill_assets.lake.spec import SPEC_PATH, SpecError, load_specs
 
 
 def _copy_sql(tmp_path: Path) -> None:
@@ -52,7 +52,7 @@ def test_shipped_spec_loads() -> None:
         ({"quarantine_max_ratio": 2}, "quarantine_max_ratio must be between 0 and 1"),
         ({"max_record_bytes": 0}, "max_record_bytes must be a positive whole number"),
         ({"max_record_bytes": "1MB"}, "max_record_bytes must be a positive whole number"),
-        ({"upcasters": {1: "backfill_assets.transforms.orders:nope"}}, "is not a function"),
+        ({"upcasters": {1: "backfill_assets.lake.transforms.orders:nope"}}, "is not a function"),
         ({"upcasters": {1: "no_such_module:f"}}, "cannot import no_such_module"),
         ({"event_id_field": None}, "missing required field 'event_id_field'"),
         (

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from backfill_assets.replay import OffsetContract, ReplayError, chunk_contract
+from backfill_assets.lake.replay import OffsetContract, ReplayError, chunk_contract
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -50,8 +50,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from backfill_assets.replay import OffsetContract
-    from backfill_assets.spec import TopicSpec
+    from backfill_assets.lake.replay import OffsetContract
+    from backfill_assets.lake.spec import TopicSpec
     from backfill_assets.stack.settings import Settings
 
 HISTORY_START = datetime(2026, 9, 1, tzinfo=UTC)
@@ -72,8 +72,8 @@ def partition_key(hour: datetime) -> str:
 
 
 def orders_spec(topic: str) -> TopicSpec:
-    from backfill_assets.declared import renamed
-    from backfill_assets.spec import load_specs
+    from backfill_assets.lake.declared import renamed
+    from backfill_assets.lake.spec import load_specs
 
     (orders,) = [s for s in load_specs() if s.topic == "orders"]
     return renamed(orders, topic=topic)
@@ -119,7 +119,7 @@ def bare_spark(
     spark: SparkSession, settings: Settings, contract: OffsetContract, out: Path
 ) -> tuple[float, int]:
     """Kafka -> Parquet over the contract's offsets, nothing else; seconds and rows written."""
-    from backfill_assets.replay import read_contract
+    from backfill_assets.lake.replay import read_contract
 
     shutil.rmtree(out, ignore_errors=True)
     began = time.monotonic()
@@ -135,7 +135,7 @@ def spark_parse(
     """The asset's own read, window attribution and parse, written to Parquet: no Iceberg,
     branch, checks, publish or Dagster. Separates the cost of the transform from that of
     write-audit-publish. ``contract`` must come from ``offset_contract`` (it has windows)."""
-    from backfill_assets.replay import attribute, parse, read_contract
+    from backfill_assets.lake.replay import attribute, parse, read_contract
 
     shutil.rmtree(out, ignore_errors=True)
     began = time.monotonic()
@@ -245,7 +245,7 @@ def action_timer() -> Iterator[dict[str, list[float]]]:
     from pyspark.sql import DataFrameWriterV2
     from pyspark.sql.classic.dataframe import DataFrame  # the class sessions hand out
 
-    from backfill_assets import checks
+    from backfill_assets.lake import checks
 
     timings: dict[str, list[float]] = defaultdict(list)
     depth = [0]
@@ -374,7 +374,7 @@ def main() -> None:
 
 
 def throughput(args: argparse.Namespace, settings: Settings, topic: str, start: datetime) -> None:
-    from backfill_assets.replay import offset_contract
+    from backfill_assets.lake.replay import offset_contract
     from backfill_assets.resources import KafkaResource
     from backfill_assets.stack import spark as spark_mod
 

@@ -137,7 +137,7 @@ class Settings:
     seal_grace_s: int = 300
     # How often a publish whose main moved (disjoint windows published meanwhile) rebases.
     publish_attempts: int = 5
-    fault_point: str | None = None  # test-only: see backfill_assets.faults
+    fault_point: str | None = None  # test-only: see backfill_assets.lake.faults
     # The topics-and-tables spec Definitions are built from (BACKFILL_SPEC); None: the
     # package's own topics.yaml.
     spec_path: Path | None = None
@@ -248,7 +248,7 @@ def _int(env: Mapping[str, str], name: str, default: int, zero_ok: bool = False)
 
 
 def _fault_point(env: Mapping[str, str]) -> str | None:
-    from backfill_assets.faults import POINTS
+    from backfill_assets.lake.faults import POINTS
 
     raw = env.get("BACKFILL_FAULT_POINT")
     if raw is None or raw == "":

@@ -2,7 +2,7 @@
 
 Every check reads the branch (never main) restricted to the replayed window's hours, plus the
 quarantine rows this run wrote for them, and compares with a second, independent reading of
-Kafka: the librdkafka pass that fixed the windows (:mod:`backfill_assets.windows`) counted the
+Kafka: the librdkafka pass that fixed the windows (:mod:`backfill_assets.lake.windows`) counted the
 committed records of every hour and summed a hash of their partition, offset, key and value
 bytes. A dropped row, an extra (aborted) record, a shifted window or a repeated offset changes
 those figures for some hour, so the checks can fail. In a single-run partition range Dagster
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets.replay import ReplayOutcome, cache, window_filter
-from backfill_assets.spec import ColumnSpec, TopicSpec
+from backfill_assets.lake.replay import ReplayOutcome, cache, window_filter
+from backfill_assets.lake.spec import ColumnSpec, TopicSpec
 
 if TYPE_CHECKING:
     import pandas as pd

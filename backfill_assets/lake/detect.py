@@ -1,8 +1,8 @@
 """What is missing or stale: the Kafka log compared with what main of each table has published.
 
-The authoritative checkpoint is the ledger of published windows (:mod:`backfill_assets.ledger`),
-which table maintenance cannot erase: a rolled-back publish is no longer live and so becomes a
-gap again.
+The authoritative checkpoint is the ledger of published windows
+(:mod:`backfill_assets.lake.ledger`), which table maintenance cannot erase: a rolled-back
+publish is no longer live and so becomes a gap again.
 Everything here reads Kafka metadata and Iceberg metadata (pyiceberg), never data files except
 for the late-data look-up, and never starts Spark, so sensors stay cheap.
 
@@ -20,9 +20,9 @@ from typing import Any
 
 from pyiceberg.catalog import Catalog
 
-from backfill_assets import declared, ledger
+from backfill_assets.lake import declared, ledger
+from backfill_assets.lake.spec import TableSpec, TopicSpec
 from backfill_assets.resources import KafkaResource
-from backfill_assets.spec import TableSpec, TopicSpec
 
 HOUR = timedelta(hours=1)
 PARTITION_FMT = "%Y-%m-%d-%H:%M"
@@ -52,7 +52,7 @@ class Findings:
 
 def published(catalog: Catalog, identifier: str) -> list[Publish]:
     """Live publishes of ``namespace.table``, newest first, one per covered hour, from the
-    ledger (:mod:`backfill_assets.ledger`): it survives snapshot expiry, and a rolled-back
+    ledger (:mod:`backfill_assets.lake.ledger`): it survives snapshot expiry, and a rolled-back
     publish is no longer live."""
     namespace = identifier.split(".", 1)[0]
     entries = ledger.coverage(catalog, namespace, f"{catalog.name}.{identifier}")
@@ -286,7 +286,7 @@ def _retention_risks(
     retention_ms = _retention_ms(kafka, topic)
     if retention_ms is None or retention_ms < 0:
         return []
-    from backfill_assets.archive import Archive
+    from backfill_assets.lake.archive import Archive
 
     store = Archive(kafka.settings)
     out = []

@@ -2,7 +2,7 @@
 
 Per topic: how to read its records (columns, key, event id, event time, schema versions), its
 current-state rule, and its declared tables (Spark SQL files over the topic's events, other
-topics' current state and other declared tables; see :mod:`backfill_assets.declared`). A bad
+topics' current state and other declared tables; see :mod:`backfill_assets.lake.declared`). A bad
 field or declaration fails loading with a :class:`SpecError` that names the topic, the table
 and the field or column. Nothing here starts Spark.
 """
@@ -23,7 +23,7 @@ from backfill_assets.errors import BackfillError
 if TYPE_CHECKING:
     from pyspark.sql import Column
 
-SPEC_PATH = Path(__file__).with_name("topics.yaml")
+SPEC_PATH = Path(__file__).resolve().parents[1] / "topics.yaml"
 COLUMN_TYPES = ("string", "bigint", "int", "double", "boolean", "timestamp")
 # Kafka's own default limit for one record batch (message.max.bytes) is about 1 MiB.
 DEFAULT_MAX_RECORD_BYTES = 1_048_576
@@ -149,7 +149,7 @@ class TopicSpec:
 
     def upcaster(self, version: int) -> Upcaster:
         if version not in self.upcasters and version == self.latest_version:
-            from backfill_assets.transforms import identity
+            from backfill_assets.lake.transforms import identity
 
             return identity(self.columns)
         module_name, _, attr = self.upcasters[version].partition(":")
@@ -167,7 +167,7 @@ def spec_path() -> Path:
 def load_specs(path: Path | None = None) -> list[TopicSpec]:
     """Parse and validate every topic in ``path`` (default :func:`spec_path`), and every
     declared table's SQL against the columns it reads (without Spark)."""
-    from backfill_assets import declared
+    from backfill_assets.lake import declared
 
     path = path or spec_path()
     try:

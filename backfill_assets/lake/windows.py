@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 from backfill_assets.errors import BackfillError
 
 if TYPE_CHECKING:
-    from backfill_assets.archive import Archive
+    from backfill_assets.lake.archive import Archive
     from backfill_assets.resources import KafkaResource
 
 HOUR = timedelta(hours=1)
@@ -62,7 +62,7 @@ class WindowError(BackfillError):
 
 def record_hash(partition: int, offset: int, key: bytes | None, value: bytes | None) -> int:
     """A 60-bit hash of one record as Kafka holds it (Spark computes the same:
-    :func:`backfill_assets.replay.record_hash_expr`). Sums of it are order-independent."""
+    :func:`backfill_assets.lake.replay.record_hash_expr`). Sums of it are order-independent."""
     text = (
         f"{partition}:{offset}:{hashlib.sha256(key or b'').hexdigest()}:"
         f"{hashlib.sha256(value or b'').hexdigest()}:{1 if value is None else 0}"

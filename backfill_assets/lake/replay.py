@@ -3,9 +3,9 @@
 Steps, and what is atomic:
 
 1. **Contract**: the window ``[start, end)`` becomes, per hour and partition, a fixed offset
-   range (:mod:`backfill_assets.windows`: chained on the ledger's published windows, sealed only
-   when Kafka can no longer add to it). The same librdkafka pass counts and hashes what Kafka
-   holds there, for the checks. No consumer group is joined or committed.
+   range (:mod:`backfill_assets.lake.windows`: chained on the ledger's published windows,
+   sealed only when Kafka can no longer add to it). The same librdkafka pass counts and hashes
+   what Kafka holds there, for the checks. No consumer group is joined or committed.
 2. **Read**: Spark's Kafka batch source reads exactly those offsets, committed records only,
    in executors; every record is tagged with the hour whose range holds it (``kafka_hour``),
    whatever its own timestamp, and with a hash of its Kafka bytes (``record_hash``).
@@ -17,8 +17,8 @@ Steps, and what is atomic:
 4. **Write**: quarantine rows overwrite the window's hours in the quarantine table (one atomic
    commit, kept even if the run fails, as evidence). Table rows overwrite the window's hours on
    a branch unique to the run (one atomic commit on the branch; main is not touched).
-5. **Audit**: the checks read the branch (see :mod:`backfill_assets.checks`).
-6. **Publish**: :func:`backfill_assets.wap.publish` (one catalog commit, or nothing).
+5. **Audit**: the checks read the branch (see :mod:`backfill_assets.lake.checks`).
+6. **Publish**: :func:`backfill_assets.lake.wap.publish` (one catalog commit, or nothing).
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets import faults, ledger
-from backfill_assets.archive import Archive
 from backfill_assets.errors import BackfillError
-from backfill_assets.spec import TopicSpec
-from backfill_assets.wap import SUMMARY_PREFIX, Branch, open_branch, ref_sql
-from backfill_assets.windows import Windows, scan
+from backfill_assets.lake import faults, ledger
+from backfill_assets.lake.archive import Archive
+from backfill_assets.lake.spec import TopicSpec
+from backfill_assets.lake.wap import SUMMARY_PREFIX, Branch, open_branch, ref_sql
+from backfill_assets.lake.windows import Windows, scan
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -242,12 +242,12 @@ def offset_contract(
     published: dict[datetime, dict[int, tuple[int, int]]] | None = None,
     seal_grace: timedelta = timedelta(minutes=5),
 ) -> OffsetContract:
-    """The exact offsets of hours ``[start, end)`` (see :func:`backfill_assets.windows.scan`),
+    """The exact offsets of hours ``[start, end)`` (see :func:`backfill_assets.lake.windows.scan`),
     chained on ``published`` (the ledger's windows of the topic's raw table).
 
     Offsets below a partition's log start offset come from the archive. Raises
-    :class:`~backfill_assets.windows.WindowNotSealed` or
-    :class:`~backfill_assets.windows.WindowError` rather than guess.
+    :class:`~backfill_assets.lake.windows.WindowNotSealed` or
+    :class:`~backfill_assets.lake.windows.WindowError` rather than guess.
     """
     windows = scan(
         kafka, topic, start, end, published=published, archive=archive, seal_grace=seal_grace
@@ -372,7 +372,7 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
     """
     from pyspark.sql import functions as F
 
-    from backfill_assets.transforms import json_field
+    from backfill_assets.lake.transforms import json_field
 
     value_str = F.col("value").cast("string")
     # Spark's JSON parser stops after the first value, so '{...} junk' or '{...}{...}' would
@@ -496,7 +496,7 @@ def window_filter(contract: OffsetContract, column: str = "kafka_hour") -> Colum
 
 
 def record_hash_expr() -> Column:
-    """:func:`backfill_assets.windows.record_hash` in Spark, over the Kafka source's columns."""
+    """:func:`backfill_assets.lake.windows.record_hash` in Spark, over the Kafka columns."""
     from pyspark.sql import functions as F
 
     text = F.concat_ws(
@@ -516,7 +516,7 @@ def attribute(spark: SparkSession, source: DataFrame, contract: OffsetContract) 
     from pyspark.sql import functions as F
     from pyspark.sql.types import LongType, StructField, StructType
 
-    from backfill_assets.windows import as_spark_rows
+    from backfill_assets.lake.windows import as_spark_rows
 
     if contract.windows is None:
         raise ReplayError("attribute() needs a contract made by offset_contract()")

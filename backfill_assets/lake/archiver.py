@@ -2,7 +2,7 @@
 an hourly schedule that runs it.
 
 Each run archives the committed records of every partition from where its archive ends up to
-the last stable offset seen when the run starts (see :mod:`backfill_assets.archive` for the
+the last stable offset seen when the run starts (see :mod:`backfill_assets.lake.archive` for the
 layout and why each offset is archived exactly once), re-archives legacy files (written before
 the archive read committed records only) that Kafka still holds, then appends one ``archive``
 row to the audit table. Offsets that Kafka deleted before they were archived, offsets an open
@@ -19,10 +19,10 @@ from typing import Any
 
 import dagster as dg
 
-from backfill_assets import audit
-from backfill_assets.archive import Archive, PartitionRun
+from backfill_assets.lake import audit
+from backfill_assets.lake.archive import Archive, PartitionRun
+from backfill_assets.lake.spec import TopicSpec
 from backfill_assets.resources import IcebergResource, KafkaResource
-from backfill_assets.spec import TopicSpec
 from backfill_assets.stack.settings import Settings
 
 

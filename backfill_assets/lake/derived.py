@@ -1,5 +1,5 @@
 """Derived lakehouse tables, computed in Spark from the published raw table: each topic's
-current state, and the tables declared in the spec (:mod:`backfill_assets.declared`).
+current state, and the tables declared in the spec (:mod:`backfill_assets.lake.declared`).
 
 **The duplicates rule** (it does not depend on where runs start or end): the raw table keeps
 every committed record. Among the versions of one event id, the one with the highest (Kafka
@@ -20,7 +20,7 @@ SQL sees only winners, as the relation named after the topic.
   from all of main's raw rows, so re-publishing or rolling back raw hours and re-running
   converges; a key with no raw row left is removed.
 
-Each is written on a run branch and published through :mod:`backfill_assets.wap`; each build
+Each is written on a run branch and published through :mod:`backfill_assets.lake.wap`; each build
 function returns the branch and the audit outcomes it computed on that branch.
 """
 
@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets import checks, declared
-from backfill_assets.checks import CheckOutcome
-from backfill_assets.spec import EVENT_META_COLUMNS, TableSpec, TopicSpec
-from backfill_assets.wap import Branch, open_branch
+from backfill_assets.lake import checks, declared
+from backfill_assets.lake.checks import CheckOutcome
+from backfill_assets.lake.spec import EVENT_META_COLUMNS, TableSpec, TopicSpec
+from backfill_assets.lake.wap import Branch, open_branch
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession

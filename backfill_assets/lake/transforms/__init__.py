@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pyspark.sql import Column
 
-    from backfill_assets.spec import ColumnSpec
+    from backfill_assets.lake.spec import ColumnSpec
 
 
 def json_field(v: Column, path: str, spark_type: str) -> Column:

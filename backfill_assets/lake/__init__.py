@@ -1,0 +1,1 @@
+"""The lakehouse path: spec -> replay -> branch -> checks -> publish -> detect, audit, rollback."""
