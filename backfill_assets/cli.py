@@ -105,8 +105,8 @@ def _ranges(
     and current-state tables over [start, end); each declared table over the event-time hours
     whose inputs all arrived within the range: [start, end - lateness) for a table reading a
     topic, the hours its declared inputs cover for one reading declared tables."""
-    from backfill_assets.assets import current_asset_key, raw_asset_key, table_asset_key
-    from backfill_assets.definitions import SPECS
+    from backfill_assets.defs.assets import current_asset_key, raw_asset_key, table_asset_key
+    from backfill_assets.defs.definitions import SPECS
     from backfill_assets.lake import declared
 
     known = declared.relations(SPECS)
@@ -130,7 +130,7 @@ def _cmd_materialize(args: argparse.Namespace, settings: Settings) -> int:
     instance of $DAGSTER_HOME (the run shows in the UI), in dependency order. Raw and
     current-state tables cover [start, end); each declared table covers the event-time hours
     whose events have all arrived within the range (see :func:`_ranges`)."""
-    from backfill_assets.definitions import defs
+    from backfill_assets.defs.definitions import defs
 
     spec, start, end = _topic_range(args)
     plan = _ranges(spec, start, end)
@@ -161,10 +161,10 @@ def _cmd_materialize(args: argparse.Namespace, settings: Settings) -> int:
 
 def _cmd_archive(args: argparse.Namespace, settings: Settings) -> int:
     """Copy new records of a topic to the archive now (``--status``: show what is archived)."""
-    from backfill_assets.definitions import SPECS
+    from backfill_assets.defs.definitions import SPECS
+    from backfill_assets.defs.resources import IcebergResource, KafkaResource
     from backfill_assets.lake.archive import Archive
     from backfill_assets.lake.archiver import run_archiver
-    from backfill_assets.resources import IcebergResource, KafkaResource
 
     spec = next((s for s in SPECS if s.topic == args.topic), None)
     if spec is None:
@@ -209,7 +209,7 @@ def _cmd_archive(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _topic_range(args: argparse.Namespace) -> tuple[TopicSpec, datetime, datetime]:
-    from backfill_assets.definitions import SPECS
+    from backfill_assets.defs.definitions import SPECS
 
     specs = {s.topic: s for s in SPECS}
     if args.topic not in specs:
@@ -233,8 +233,8 @@ def _topic_range(args: argparse.Namespace) -> tuple[TopicSpec, datetime, datetim
 
 def _cmd_plan(args: argparse.Namespace, settings: Settings) -> int:
 
+    from backfill_assets.defs.resources import KafkaResource
     from backfill_assets.planner import make_plan
-    from backfill_assets.resources import KafkaResource
 
     spec, start, end = _topic_range(args)
     instance = dg.DagsterInstance.get() if os.environ.get("DAGSTER_HOME") else None
@@ -365,9 +365,9 @@ def _cmd_rollback(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_gaps(args: argparse.Namespace, settings: Settings) -> int:
-    from backfill_assets.definitions import SPECS
+    from backfill_assets.defs.definitions import SPECS
+    from backfill_assets.defs.resources import KafkaResource
     from backfill_assets.lake import detect
-    from backfill_assets.resources import KafkaResource
 
     specs = {s.topic: s for s in SPECS}
     if args.topic not in specs:

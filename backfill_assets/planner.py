@@ -15,13 +15,13 @@ from typing import Any
 import dagster as dg
 from confluent_kafka import Consumer, TopicPartition
 
-from backfill_assets.assets import BACKFILL_POLICY, raw_asset_key, table_asset_key
+from backfill_assets.defs.assets import BACKFILL_POLICY, raw_asset_key, table_asset_key
+from backfill_assets.defs.resources import KafkaResource
 from backfill_assets.lake import ledger
 from backfill_assets.lake.archive import Archive
 from backfill_assets.lake.replay import OffsetContract, offset_contract
 from backfill_assets.lake.spec import TopicSpec
 from backfill_assets.lake.windows import WindowError, WindowNotSealed
-from backfill_assets.resources import KafkaResource
 from backfill_assets.stack import catalog
 
 SAMPLE_RECORDS = 2000

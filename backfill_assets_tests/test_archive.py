@@ -25,8 +25,9 @@ from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ign
 from dagster_shared.error import SerializableErrorInfo
 
 from backfill_assets import planner
-from backfill_assets.assets import build_raw_asset
-from backfill_assets.definitions import RESOURCES, SPECS
+from backfill_assets.defs.assets import build_raw_asset
+from backfill_assets.defs.definitions import RESOURCES, SPECS
+from backfill_assets.defs.resources import IcebergResource, KafkaResource
 from backfill_assets.generator import GeneratorConfig, GroundTruth, generate
 from backfill_assets.lake import audit
 from backfill_assets.lake.archive import SCHEMA, Archive, ArchiveError
@@ -34,7 +35,6 @@ from backfill_assets.lake.archiver import build_archive_asset, run_archiver
 from backfill_assets.lake.declared import renamed
 from backfill_assets.lake.replay import checksum_expr
 from backfill_assets.lake.spec import TopicSpec
-from backfill_assets.resources import IcebergResource, KafkaResource
 from backfill_assets.stack import catalog
 from backfill_assets.stack.settings import Settings
 

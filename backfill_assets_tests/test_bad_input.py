@@ -67,8 +67,8 @@ import pytest
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from backfill_assets.assets import build_raw_asset
-from backfill_assets.definitions import RESOURCES, SPECS
+from backfill_assets.defs.assets import build_raw_asset
+from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.lake.declared import renamed
 from backfill_assets.lake.spec import TopicSpec
 from backfill_assets.stack.settings import Settings

@@ -27,8 +27,8 @@ from confluent_kafka import Message, Producer
 # NewTopic and AdminClient are public but only implicitly re-exported.
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from backfill_assets.assets import build_topic_assets
-from backfill_assets.definitions import RESOURCES
+from backfill_assets.defs.assets import build_topic_assets
+from backfill_assets.defs.definitions import RESOURCES
 from backfill_assets.generator import TOPIC_CONFIGS
 from backfill_assets.lake.spec import SpecError, TopicSpec, load_specs
 from backfill_assets.stack.settings import REPO_ROOT, Settings
@@ -651,7 +651,7 @@ def test_definitions_validate_fails_on_a_broken_spec(tmp_path: Path) -> None:
     home = tmp_path / "dagster_home"  # an empty instance: nothing but the spec is needed
     home.mkdir()
     proc = subprocess.run(
-        [str(dagster), "definitions", "validate", "-m", "backfill_assets.definitions"],
+        [str(dagster), "definitions", "validate", "-m", "backfill_assets.defs.definitions"],
         check=False,
         cwd=REPO_ROOT,
         env={**os.environ, "BACKFILL_SPEC": str(path), "DAGSTER_HOME": str(home)},

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from backfill_assets.definitions import defs
+from backfill_assets.defs.definitions import defs
 
 RAW = dg.AssetKey(["raw", "orders"])
 HOURLY = dg.AssetKey(["lakehouse", "orders_hourly"])

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import dagster as dg
 import pytest
 
-from backfill_assets.assets import build_topic_assets
-from backfill_assets.definitions import RESOURCES, SPECS
+from backfill_assets.defs.assets import build_topic_assets
+from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.generator import GeneratorConfig, GroundTruth, generate, plan_events
 from backfill_assets.lake.declared import renamed
 from backfill_assets.lake.spec import TopicSpec

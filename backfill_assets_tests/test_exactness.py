@@ -27,14 +27,14 @@ import dagster as dg
 import pytest
 
 from backfill_assets import hostile
-from backfill_assets.assets import build_topic_assets
-from backfill_assets.definitions import RESOURCES, SPECS
+from backfill_assets.defs.assets import build_topic_assets
+from backfill_assets.defs.definitions import RESOURCES, SPECS
+from backfill_assets.defs.resources import KafkaResource
 from backfill_assets.lake import ledger
 from backfill_assets.lake.declared import renamed
 from backfill_assets.lake.faults import branch_mutation
 from backfill_assets.lake.spec import TopicSpec
 from backfill_assets.lake.windows import HOUR, scan
-from backfill_assets.resources import KafkaResource
 from backfill_assets.stack import catalog
 from backfill_assets.stack.settings import Settings
 

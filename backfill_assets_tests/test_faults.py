@@ -104,7 +104,7 @@ def _spark_table(settings: Settings, spec: TopicSpec) -> str:
 
 
 def _spec(topic: str) -> TopicSpec:
-    from backfill_assets.definitions import SPECS
+    from backfill_assets.defs.definitions import SPECS
 
     return renamed(SPECS[0], topic=topic)
 
@@ -166,8 +166,8 @@ def world(
 def _materialize_here(spec: TopicSpec, first: int, last: int) -> None:
     import dagster as dg
 
-    from backfill_assets.assets import build_raw_asset
-    from backfill_assets.definitions import RESOURCES
+    from backfill_assets.defs.assets import build_raw_asset
+    from backfill_assets.defs.definitions import RESOURCES
 
     with dg.instance_for_test() as instance:
         result = dg.materialize(
@@ -749,8 +749,8 @@ def _main(argv: list[str]) -> int:
     the Dagster instance of ``$DAGSTER_HOME``; print ``FAULTS-RESULT <json>`` at the end."""
     import dagster as dg
 
-    from backfill_assets.assets import build_raw_asset
-    from backfill_assets.definitions import RESOURCES
+    from backfill_assets.defs.assets import build_raw_asset
+    from backfill_assets.defs.definitions import RESOURCES
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--topic", required=True)

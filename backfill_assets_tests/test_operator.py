@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 import pytest
 
-from backfill_assets.definitions import ASSETS, RESOURCES
+from backfill_assets.defs.definitions import ASSETS, RESOURCES
 from backfill_assets.generator import GeneratorConfig, GroundTruth, generate
 from backfill_assets.lake.replay import checksum_expr
 from backfill_assets.lake.wap import ref_snapshot_id
@@ -121,7 +121,7 @@ def _raw_state(spark: SparkSession) -> tuple[int | None, Any]:
 
 
 def _spec() -> Any:
-    from backfill_assets.definitions import SPECS
+    from backfill_assets.defs.definitions import SPECS
 
     return SPECS[0]
 

@@ -14,12 +14,12 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
     ResourceType,
 )
 
-from backfill_assets.definitions import SPECS
+from backfill_assets.defs.definitions import SPECS
+from backfill_assets.defs.resources import IcebergResource, KafkaResource
 from backfill_assets.generator import GeneratorConfig, generate
 from backfill_assets.lake import detect
 from backfill_assets.lake.archiver import run_archiver
 from backfill_assets.lake.declared import renamed
-from backfill_assets.resources import IcebergResource, KafkaResource
 from backfill_assets.stack import catalog
 from backfill_assets.stack.settings import Settings
 

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 import pytest
 
-from backfill_assets.assets import build_raw_asset
-from backfill_assets.definitions import RESOURCES, SPECS
+from backfill_assets.defs.assets import build_raw_asset
+from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.generator import GeneratorConfig, generate
 from backfill_assets.lake import audit, replay
 from backfill_assets.lake.declared import renamed

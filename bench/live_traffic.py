@@ -106,9 +106,9 @@ def main() -> None:
             "BACKFILL_SENSORS": "off",
         }
     )
+    from backfill_assets.defs.resources import KafkaResource
     from backfill_assets.generator import GeneratorConfig, generate
     from backfill_assets.lake.replay import offset_contract, read_contract, read_throttled
-    from backfill_assets.resources import KafkaResource
     from backfill_assets.stack import spark as spark_mod
     from backfill_assets.stack.broker import LocalBroker
     from backfill_assets.stack.settings import Settings

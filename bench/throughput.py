@@ -82,7 +82,7 @@ def orders_spec(topic: str) -> TopicSpec:
 def resources() -> dict[str, object]:
     """The raw asset's resources, as in definitions.RESOURCES (not imported: the bench needs
     only the raw asset, not every asset and sensor the definitions build)."""
-    from backfill_assets.resources import IcebergResource, KafkaResource, SparkResource
+    from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
 
     return {"kafka": KafkaResource(), "spark": SparkResource(), "iceberg": IcebergResource()}
 
@@ -96,7 +96,7 @@ def materialize(spec: TopicSpec, start: datetime, end: datetime) -> tuple[float,
     """The raw asset over the partitions in [start, end); wall seconds and its metadata."""
     import dagster as dg
 
-    from backfill_assets.assets import build_raw_asset
+    from backfill_assets.defs.assets import build_raw_asset
 
     began = time.monotonic()
     result = dg.materialize(
@@ -374,8 +374,8 @@ def main() -> None:
 
 
 def throughput(args: argparse.Namespace, settings: Settings, topic: str, start: datetime) -> None:
+    from backfill_assets.defs.resources import KafkaResource
     from backfill_assets.lake.replay import offset_contract
-    from backfill_assets.resources import KafkaResource
     from backfill_assets.stack import spark as spark_mod
 
     spec = orders_spec(topic)

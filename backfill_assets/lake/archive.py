@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from confluent_kafka import Message
     from confluent_kafka.admin import AdminClient
 
-    from backfill_assets.resources import KafkaResource
+    from backfill_assets.defs.resources import KafkaResource
     from backfill_assets.stack.settings import Settings
 
 _NAME = re.compile(r"^(\d{20})-(\d{20})\.parquet$")
@@ -504,7 +504,7 @@ class Archive:
 
 def log_bounds(kafka: KafkaResource, topic: str) -> dict[int, tuple[int, int, int]]:
     """Per partition: (log start offset, last stable offset, high watermark), from ListOffsets
-    (see :meth:`backfill_assets.resources.KafkaResource.log_ends`)."""
+    (see :meth:`backfill_assets.defs.resources.KafkaResource.log_ends`)."""
     return kafka.log_ends(topic)
 
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import dagster as dg
 
+from backfill_assets.defs.resources import IcebergResource, KafkaResource
 from backfill_assets.lake import audit
 from backfill_assets.lake.archive import Archive, PartitionRun
 from backfill_assets.lake.spec import TopicSpec
-from backfill_assets.resources import IcebergResource, KafkaResource
 from backfill_assets.stack.settings import Settings
 
 

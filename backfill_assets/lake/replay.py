@@ -39,7 +39,7 @@ from backfill_assets.lake.windows import Windows, scan
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
 
-    from backfill_assets.resources import IcebergResource, KafkaResource
+    from backfill_assets.defs.resources import IcebergResource, KafkaResource
     from backfill_assets.stack.settings import Settings
 
 _SPARK_TYPES = {

@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING
 from backfill_assets.errors import BackfillError
 
 if TYPE_CHECKING:
+    from backfill_assets.defs.resources import KafkaResource
     from backfill_assets.lake.archive import Archive
-    from backfill_assets.resources import KafkaResource
 
 HOUR = timedelta(hours=1)
 

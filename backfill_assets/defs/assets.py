@@ -11,12 +11,12 @@ from typing import Any
 import dagster as dg
 from dagster import AssetExecutionContext
 
+from backfill_assets.defs.partitions import kafka_hours
+from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
 from backfill_assets.lake import audit, checks, declared, derived, ledger, replay, wap
 from backfill_assets.lake.faults import failpoint
 from backfill_assets.lake.spec import TableSpec, TopicSpec
 from backfill_assets.lake.windows import hours_between
-from backfill_assets.partitions import kafka_hours
-from backfill_assets.resources import IcebergResource, KafkaResource, SparkResource
 
 # One run covers up to a week of hourly partitions: a 30-day backfill starts 5 runs (5 Spark
 # sessions and 5 branches), not 720. A week is also the retry unit: a failed run re-reads at

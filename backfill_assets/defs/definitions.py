@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 import dagster as dg
 
-from backfill_assets.assets import build_topic_assets
+from backfill_assets.defs.assets import build_topic_assets
+from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
+from backfill_assets.defs.sensors import build_gap_sensor, build_late_data_sensor
 from backfill_assets.lake.archiver import build_archive_asset, build_archive_schedule
 from backfill_assets.lake.spec import TopicSpec, load_specs
-from backfill_assets.resources import IcebergResource, KafkaResource, SparkResource
-from backfill_assets.sensors import build_gap_sensor, build_late_data_sensor
 
 RESOURCES: dict[str, object] = {
     "kafka": KafkaResource(),
