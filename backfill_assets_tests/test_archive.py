@@ -24,7 +24,6 @@ from confluent_kafka import Consumer, IsolationLevel, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ignore[attr-defined]
 from dagster_shared.error import SerializableErrorInfo
 
-from backfill_assets import planner
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.defs.resources import IcebergResource, KafkaResource
@@ -35,6 +34,7 @@ from backfill_assets.lake.archiver import build_archive_asset, run_archiver
 from backfill_assets.lake.declared import renamed
 from backfill_assets.lake.replay import checksum_expr
 from backfill_assets.lake.spec import TopicSpec
+from backfill_assets.ops import planner
 from backfill_assets.stack import catalog
 from backfill_assets.stack.settings import Settings
 
@@ -298,7 +298,7 @@ def test_s3_archive_settings_reach_spark_and_pyarrow(stack_env: dict[str, str]) 
 def test_archive_cli_names_allowed_topics(
     stack_settings: Settings, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from backfill_assets.cli import main
+    from backfill_assets.ops.cli import main
 
     assert main(["archive", "--topic", "no_such_topic"]) == 2
     err = capsys.readouterr().err

@@ -32,7 +32,7 @@ HOURS = [datetime(2026, 6, 1, h, tzinfo=UTC).isoformat() for h in range(1, 5)]
 
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "backfill_assets.cli", *args],
+        [sys.executable, "-m", "backfill_assets.ops.cli", *args],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,

@@ -234,7 +234,7 @@ def _topic_range(args: argparse.Namespace) -> tuple[TopicSpec, datetime, datetim
 def _cmd_plan(args: argparse.Namespace, settings: Settings) -> int:
 
     from backfill_assets.defs.resources import KafkaResource
-    from backfill_assets.planner import make_plan
+    from backfill_assets.ops.planner import make_plan
 
     spec, start, end = _topic_range(args)
     instance = dg.DagsterInstance.get() if os.environ.get("DAGSTER_HOME") else None
@@ -252,7 +252,7 @@ def _cmd_plan(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_backfill(args: argparse.Namespace, settings: Settings) -> int:
-    from backfill_assets import launch
+    from backfill_assets.ops import launch
 
     spec, start, end = _topic_range(args)
     fmt = "%Y-%m-%d-%H:%M"

@@ -1,0 +1,1 @@
+"""Operating backfills: the command line, the planner and launches through the webserver."""
