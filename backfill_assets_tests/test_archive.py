@@ -27,7 +27,7 @@ from dagster_shared.error import SerializableErrorInfo
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.defs.resources import IcebergResource, KafkaResource
-from backfill_assets.generator import GeneratorConfig, GroundTruth, generate
+from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate
 from backfill_assets.lake import audit
 from backfill_assets.lake.archive import SCHEMA, Archive, ArchiveError
 from backfill_assets.lake.archiver import build_archive_asset, run_archiver

@@ -29,7 +29,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.defs.definitions import RESOURCES
-from backfill_assets.generator import TOPIC_CONFIGS
+from backfill_assets.demo.generator import TOPIC_CONFIGS
 from backfill_assets.lake.spec import SpecError, TopicSpec, load_specs
 from backfill_assets.stack.settings import REPO_ROOT, Settings
 

@@ -28,7 +28,7 @@ import dagster as dg
 import pytest
 
 from backfill_assets.defs.definitions import SPECS
-from backfill_assets.generator import GeneratorConfig, GroundTruth, generate
+from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate
 from backfill_assets.lake.checks import CHECK_NAMES
 from backfill_assets.ops import launch
 from backfill_assets.stack.settings import REPO_ROOT, Settings

@@ -1,6 +1,6 @@
 """Exactness against hostile producers: every table equals the generator's ground truth.
 
-The topic is written the way real systems write (``backfill_assets.hostile``): three producers
+The topic is written the way real systems write (``backfill_assets.demo.hostile``): three producers
 whose clocks disagree by tens of seconds, transactions of which some abort, identical re-sends,
 corrections of an event, tombstones, and two partitions added after four hours of history.
 The whole session runs with a non-UTC ``TZ`` (conftest), so nothing here may depend on the
@@ -8,7 +8,7 @@ machine's zone.
 
 Raw hours 0-3 are backfilled before the partitions are added, hours 4-7 after, so the second
 run chains on the first one's published windows. The expected hour of every committed record
-comes from the truth alone (:func:`backfill_assets.hostile.hour_of`), never from the product.
+comes from the truth alone (:func:`backfill_assets.demo.hostile.hour_of`), never from the product.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 import pytest
 
-from backfill_assets import hostile
 from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.defs.resources import KafkaResource
+from backfill_assets.demo import hostile
 from backfill_assets.lake import ledger
 from backfill_assets.lake.declared import renamed
 from backfill_assets.lake.faults import branch_mutation

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
     from pyspark.sql import SparkSession
 
-    from backfill_assets.generator import GroundTruth
+    from backfill_assets.demo.generator import GroundTruth
     from backfill_assets.lake.spec import TopicSpec
     from backfill_assets.stack.settings import Settings
 
@@ -110,7 +110,7 @@ def _spec(topic: str) -> TopicSpec:
 
 
 def _generate(settings: Settings, topic: str) -> GroundTruth:
-    from backfill_assets.generator import GeneratorConfig, generate
+    from backfill_assets.demo.generator import GeneratorConfig, generate
 
     config = GeneratorConfig(
         topic=topic, start=START, hours=HOURS, events_per_hour=EVENTS_PER_HOUR, seed=SEED

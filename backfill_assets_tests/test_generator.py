@@ -26,8 +26,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
     ResourceType,
 )
 
-from backfill_assets.errors import GeneratorError
-from backfill_assets.generator import (
+from backfill_assets.demo.generator import (
     HOUR_MS,
     MALFORMED_REASONS,
     GeneratorConfig,
@@ -38,6 +37,7 @@ from backfill_assets.generator import (
     hour_iso,
     plan_events,
 )
+from backfill_assets.errors import GeneratorError
 from backfill_assets.stack.settings import Settings
 
 START = datetime(2026, 1, 1, tzinfo=UTC)

@@ -21,9 +21,8 @@ from confluent_kafka import Consumer, IsolationLevel, KafkaError, TopicPartition
 # OffsetSpec is public but only implicitly re-exported.
 from confluent_kafka.admin import AdminClient, OffsetSpec  # type: ignore[attr-defined]
 
-from backfill_assets.errors import GeneratorError
-from backfill_assets.generator import partition_for
-from backfill_assets.hostile import (
+from backfill_assets.demo.generator import partition_for
+from backfill_assets.demo.hostile import (
     CurrentRow,
     HostileConfig,
     HostileRecord,
@@ -49,6 +48,7 @@ from backfill_assets.hostile import (
     truth_from_log,
     windows,
 )
+from backfill_assets.errors import GeneratorError
 from backfill_assets.lake.spec import load_specs
 from backfill_assets.stack.settings import Settings
 

@@ -18,7 +18,7 @@ import dagster as dg
 import pytest
 
 from backfill_assets.defs.definitions import ASSETS, RESOURCES
-from backfill_assets.generator import GeneratorConfig, GroundTruth, generate
+from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate
 from backfill_assets.lake.replay import checksum_expr
 from backfill_assets.lake.wap import ref_snapshot_id
 from backfill_assets.stack.settings import REPO_ROOT, Settings

@@ -20,7 +20,13 @@ from confluent_kafka import Consumer, TopicPartition
 
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import RESOURCES, SPECS
-from backfill_assets.generator import GeneratorConfig, GroundTruth, generate, hour_iso, plan_events
+from backfill_assets.demo.generator import (
+    GeneratorConfig,
+    GroundTruth,
+    generate,
+    hour_iso,
+    plan_events,
+)
 from backfill_assets.lake.declared import renamed
 from backfill_assets.lake.spec import TopicSpec
 from backfill_assets.stack.settings import Settings

@@ -10,7 +10,7 @@ import pytest
 from confluent_kafka.admin import AdminClient
 
 from backfill_assets.defs.resources import KafkaResource
-from backfill_assets.generator import GeneratorConfig, generate
+from backfill_assets.demo.generator import GeneratorConfig, generate
 from backfill_assets.stack.settings import Settings
 
 START = datetime(2026, 5, 1, tzinfo=UTC)

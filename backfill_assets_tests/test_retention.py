@@ -16,7 +16,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 
 from backfill_assets.defs.definitions import SPECS
 from backfill_assets.defs.resources import IcebergResource, KafkaResource
-from backfill_assets.generator import GeneratorConfig, generate
+from backfill_assets.demo.generator import GeneratorConfig, generate
 from backfill_assets.lake import detect
 from backfill_assets.lake.archiver import run_archiver
 from backfill_assets.lake.declared import renamed

@@ -27,7 +27,7 @@ import pytest
 
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import RESOURCES, SPECS
-from backfill_assets.generator import GeneratorConfig, generate
+from backfill_assets.demo.generator import GeneratorConfig, generate
 from backfill_assets.lake import audit, replay
 from backfill_assets.lake.declared import renamed
 from backfill_assets.stack import catalog

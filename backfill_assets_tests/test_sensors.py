@@ -18,7 +18,7 @@ from confluent_kafka import Producer
 from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.defs.sensors import build_gap_sensor, build_late_data_sensor
-from backfill_assets.generator import GeneratorConfig, GroundTruth, generate, partition_for
+from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate, partition_for
 from backfill_assets.lake import rollback
 from backfill_assets.lake.declared import renamed
 from backfill_assets.lake.spec import TopicSpec

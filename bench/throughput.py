@@ -333,7 +333,7 @@ def main() -> None:
             "BACKFILL_SENSORS": "off",
         }
     )
-    from backfill_assets.generator import GeneratorConfig, generate
+    from backfill_assets.demo.generator import GeneratorConfig, generate
     from backfill_assets.stack.broker import LocalBroker
     from backfill_assets.stack.settings import Settings
 

@@ -71,7 +71,7 @@ def _cmd_stack(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace, settings: Settings) -> int:
-    from backfill_assets.generator import GeneratorConfig, generate
+    from backfill_assets.demo.generator import GeneratorConfig, generate
 
     if args.start:
         start = _parse_hour(args.start, "--start")

@@ -71,8 +71,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
     NewTopic,
 )
 
-from backfill_assets.errors import GeneratorError
-from backfill_assets.generator import (
+from backfill_assets.demo.generator import (
     CHANNELS,
     CURRENCIES,
     HOUR_MS,
@@ -88,6 +87,7 @@ from backfill_assets.generator import (
     _wait_for_topic,
     partition_for,
 )
+from backfill_assets.errors import GeneratorError
 from backfill_assets.stack.settings import Settings
 
 Kind = Literal["event", "resend", "correction", "tombstone"]

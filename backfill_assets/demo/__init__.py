@@ -1,0 +1,1 @@
+"""Demo and test producers: the polite demo generator and the hostile one."""
