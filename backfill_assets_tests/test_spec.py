@@ -1,14 +1,29 @@
-"""topics.yaml is validated at load, with errors that name the topic and the field."""
+"""topics.yaml is validated at load, with errors that name the file, the topic, the table and
+the field path, say what was wrong and what is allowed (one line per problem)."""
 
 from __future__ import annotations
 
 import shutil
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
+import pydantic
 import pytest
 import yaml
 
-from backfill_assets.lake.spec import SPEC_PATH, SpecError, load_specs
+from backfill_assets.lake import declared
+from backfill_assets.lake.spec import SPEC_PATH, SpecError, TableSpec, TopicSpec, load_specs
+
+TOPIC_FIELDS = (
+    "['allowed_lateness_hours', 'columns', 'current', 'event_id_field', 'event_time_field', "
+    "'format', 'key_field', 'latest_version', 'max_record_bytes', 'partition_start', "
+    "'quarantine_max_ratio', 'tables', 'topic', 'upcasters', 'version_field']"
+)
+TABLE_FIELDS = (
+    "['columns', 'description', 'event_time', 'grain', 'lateness_hours', 'lookback_hours', "
+    "'measures', 'name', 'source', 'sql']"
+)
 
 
 def _copy_sql(tmp_path: Path) -> None:
@@ -17,18 +32,30 @@ def _copy_sql(tmp_path: Path) -> None:
         shutil.copytree(SPEC_PATH.parent / "tables", tmp_path / "tables")
 
 
-def _write(tmp_path: Path, mutate: dict[str, object]) -> Path:
+def _save(tmp_path: Path, doc: dict[str, Any]) -> Path:
+    path = tmp_path / "topics.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    _copy_sql(tmp_path)
+    return path
+
+
+def _write(tmp_path: Path, mutate: dict[str, object], table: int | None = None) -> Path:
+    """The shipped spec with the first topic's fields (or its ``table``-th table's) changed;
+    a value of None removes the field."""
     doc = yaml.safe_load(SPEC_PATH.read_text())
-    entry = doc["topics"][0]
+    entry = doc["topics"][0] if table is None else doc["topics"][0]["tables"][table]
     for key, value in mutate.items():
         if value is None:
             entry.pop(key)
         else:
             entry[key] = value
-    path = tmp_path / "topics.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    _copy_sql(tmp_path)
-    return path
+    return _save(tmp_path, doc)
+
+
+def _error(path: Path) -> str:
+    with pytest.raises(SpecError) as err:
+        load_specs(path)
+    return str(err.value)
 
 
 def test_shipped_spec_loads() -> None:
@@ -40,38 +67,206 @@ def test_shipped_spec_loads() -> None:
     assert orders.max_record_bytes == 1_048_576
 
 
+def test_shipped_spec_is_parsed_as_before() -> None:
+    """The values the hand-written parser produced, field by field (defaults included)."""
+    (orders,) = load_specs()
+    assert orders.format == "json"
+    assert (orders.key_field, orders.event_id_field, orders.event_time_field) == (
+        "order_id",
+        "event_id",
+        "event_time",
+    )
+    assert orders.version_field == "schema_version" and orders.latest_version is None
+    assert orders.versions == [1, 2]
+    assert orders.upcasters == {
+        1: "backfill_assets.lake.transforms.orders:upcast_v1",
+        2: "backfill_assets.lake.transforms.orders:upcast_v2",
+    }
+    assert orders.partition_start == datetime(2026, 1, 1, tzinfo=UTC)
+    assert orders.quarantine_max_ratio == 0.05
+    assert isinstance(orders.columns, tuple) and len(orders.columns) == 9
+    amount = next(c for c in orders.columns if c.name == "amount_minor")
+    assert (amount.type, amount.nullable, amount.allowed) == ("bigint", False, None)
+    assert (amount.min, amount.max) == (0, 100_000_000)
+    assert type(amount.min) is int  # kept exact: compared with a bigint column
+    channel = next(c for c in orders.columns if c.name == "channel")
+    assert channel.allowed == ("web", "app", "store", "unknown")
+    assert orders.current is not None and orders.current_rule == orders.current
+    assert (orders.current.key, orders.current.order_by, orders.current.deleted_when) == (
+        "order_id",
+        "event_time",
+        None,
+    )
+    hourly, large = orders.tables
+    assert (hourly.name, large.name) == ("orders_hourly", "orders_large_paid")
+    assert hourly.topic == "orders" and hourly.source == "orders" and hourly.refs == ("orders",)
+    assert hourly.sql_origin == str(SPEC_PATH.parent / "tables" / "orders_hourly.sql")
+    assert hourly.sql == (SPEC_PATH.parent / "tables" / "orders_hourly.sql").read_text()
+    assert hourly.grain == ("event_hour", "currency") and hourly.event_time == "event_hour"
+    assert (hourly.lateness_hours, hourly.lookback_hours) == (3, 0)  # the topic's lateness
+    assert [(m.name, m.table, m.source) for m in hourly.measures] == [
+        ("events", "sum(events)", "count(*)"),
+        ("amount_minor", "sum(amount_minor)", "sum(amount_minor)"),
+        ("cancelled", "sum(cancelled)", "count_if(event_type = 'cancelled')"),
+    ]
+    assert hourly.column("events").min == 1
+    assert large.description == "Paid order events of 500.00 or more."
+
+
+def test_specs_are_frozen_and_copied_with_model_copy() -> None:
+    (orders,) = load_specs()
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        orders.topic = "other"  # type: ignore[misc]
+    table = orders.tables[0]
+    assert hash(table) == hash(table.model_copy())  # tables and columns are hashable
+    other = declared.renamed(orders, "pay", quarantine_max_ratio=0.5)
+    assert isinstance(other, TopicSpec) and other.quarantine_max_ratio == 0.5
+    assert [t.name for t in other.tables] == ["pay_hourly", "pay_large_paid"]
+    assert all(isinstance(t, TableSpec) and t.topic == "pay" for t in other.tables)
+    assert "FROM pay" in other.tables[0].sql and orders.tables[0].topic == "orders"
+    with pytest.raises(TypeError, match="no field"):
+        declared.renamed(orders, "pay", quarantine_ratio=0.5)
+
+
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        ({"format": "avro"}, "format 'avro' is not supported; allowed: json"),
-        ({"key_field": "customer"}, "key_field 'customer' is not one of the columns"),
-        ({"partition_start": "2026-01-01T00:30:00+00:00"}, "partition_start must be a whole"),
-        ({"partition_start": "yesterday"}, "partition_start must be ISO-8601"),
-        ({"allowed_lateness_hours": -1}, "allowed_lateness_hours must be >= 0"),
-        ({"allowed_lateness_hours": "3h"}, "field 'allowed_lateness_hours' has the wrong type"),
-        ({"quarantine_max_ratio": 2}, "quarantine_max_ratio must be between 0 and 1"),
-        ({"max_record_bytes": 0}, "max_record_bytes must be a positive whole number"),
-        ({"max_record_bytes": "1MB"}, "max_record_bytes must be a positive whole number"),
-        ({"upcasters": {1: "backfill_assets.lake.transforms.orders:nope"}}, "is not a function"),
-        ({"upcasters": {1: "no_such_module:f"}}, "cannot import no_such_module"),
-        ({"event_id_field": None}, "missing required field 'event_id_field'"),
+        ({"format": "avro"}, "topic 'orders': format: must be 'json' (got 'avro')"),
+        ({"key_field": "customer"}, "key_field: 'customer' is not one of the columns"),
+        ({"partition_start": "2026-01-01T00:30:00+00:00"}, "partition_start: must be a whole"),
+        ({"partition_start": "yesterday"}, "partition_start: must be ISO-8601"),
+        (
+            {"allowed_lateness_hours": -1},
+            "allowed_lateness_hours: must be greater than or equal to 0 (got -1)",
+        ),
+        (
+            {"allowed_lateness_hours": "3h"},
+            "allowed_lateness_hours: must be a valid integer (got '3h')",
+        ),
+        ({"allowed_lateness_hours": True}, "allowed_lateness_hours: must be a valid integer"),
+        ({"quarantine_max_ratio": 2}, "quarantine_max_ratio: must be less than or equal to 1"),
+        ({"max_record_bytes": 0}, "max_record_bytes: must be greater than 0 (got 0)"),
+        ({"max_record_bytes": "1MB"}, "max_record_bytes: must be a valid integer (got '1MB')"),
+        (
+            {"upcasters": {1: "backfill_assets.lake.transforms.orders:nope"}},
+            "upcasters[1]: backfill_assets.lake.transforms.orders:nope is not a function",
+        ),
+        ({"upcasters": {1: "no_such_module:f"}}, "upcasters[1]: cannot import no_such_module"),
+        ({"event_id_field": None}, "topic 'orders': missing required field 'event_id_field'"),
         (
             {"columns": [{"name": "event_id", "type": "uuid"}]},
-            "column 'event_id' has type 'uuid'; allowed: string",
+            "topic 'orders', column 'event_id': columns[0].type: must be 'string', 'bigint', "
+            "'int', 'double', 'boolean' or 'timestamp' (got 'uuid')",
+        ),
+        (
+            {"colour": "blue"},
+            f"topic 'orders': unknown field(s) ['colour']; allowed: {TOPIC_FIELDS}",
+        ),
+        (
+            {"current": {"key": "order_id", "order_by": "amount_minor"}},
+            "current.order_by: 'amount_minor' must be a timestamp column (one of ['event_time'])",
+        ),
+        (
+            {"current": {"key": "order_id", "ordered_by": "event_time"}},
+            "current: unknown field(s) ['ordered_by']; allowed: ['deleted_when', 'key', "
+            "'order_by']",
         ),
     ],
 )
 def test_bad_fields_are_named(tmp_path: Path, mutate: dict[str, object], message: str) -> None:
-    with pytest.raises(SpecError, match="topic 'orders'") as err:
-        load_specs(_write(tmp_path, mutate))
-    assert message in str(err.value)
+    error = _error(_write(tmp_path, mutate))
+    assert error.startswith(f"{tmp_path / 'topics.yaml'}: topic 'orders'")
+    assert message in error
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (
+            {"grains": ["event_id"]},
+            f"tables[1]: unknown field(s) ['grains']; allowed: {TABLE_FIELDS}",
+        ),
+        # Filled in by the loader, never by the spec.
+        ({"topic": "payments"}, "tables[1]: unknown field(s) ['topic']; allowed: ['columns',"),
+        ({"refs": ["orders"]}, "tables[1]: unknown field(s) ['refs']; allowed: ['columns',"),
+        (
+            {"lateness_hours": "two"},
+            "tables[1].lateness_hours: must be a valid integer (got 'two')",
+        ),
+        ({"lookback_hours": -2}, "tables[1].lookback_hours: must be greater than or equal to 0"),
+        ({"event_time": None}, "tables[1]: missing required field 'event_time'"),
+        ({"grain": []}, "tables[1].grain: must have at least 1 item, not 0 (got [])"),
+        ({"grain": ["event_id", "channel"]}, "grain: column 'channel' is not one of its columns"),
+        ({"event_time": "order_id"}, "event_time: 'order_id' must be a timestamp column"),
+        ({"sql": "tables/missing.sql"}, "tables[1]: sql: cannot read its SQL file"),
+        (
+            {"columns": [{"name": "event_time", "type": "date", "nullable": False}]},
+            "table 'orders_large_paid', column 'event_time': tables[1].columns[0].type: must be "
+            "'string', 'bigint', 'int', 'double', 'boolean' or 'timestamp' (got 'date')",
+        ),
+        (
+            {"measures": ["amount_minor", {"name": "rows", "tabel": "count(*)"}]},
+            "table 'orders_large_paid', measure 'rows': tables[1].measures[1]: unknown field(s) "
+            "['tabel']; allowed: ['name', 'source', 'table']",
+        ),
+    ],
+)
+def test_bad_table_fields_are_named(
+    tmp_path: Path, mutate: dict[str, object], message: str
+) -> None:
+    error = _error(_write(tmp_path, mutate, table=1))
+    assert error.startswith(
+        f"{tmp_path / 'topics.yaml'}: topic 'orders', table 'orders_large_paid'"
+    )
+    assert message in error
+
+
+def test_bad_table_name_is_named(tmp_path: Path) -> None:
+    error = _error(_write(tmp_path, {"name": "Large-Paid"}, table=1))
+    assert "table 'Large-Paid': tables[1].name: must match pattern '^[a-z_][a-z0-9_]*$'" in error
+
+
+def test_every_problem_is_one_line_without_pydantic_noise(tmp_path: Path) -> None:
+    doc = yaml.safe_load(SPEC_PATH.read_text())
+    orders = doc["topics"][0]
+    orders.pop("format")
+    orders["allowed_lateness_hours"] = "two"
+    orders["tables"][0]["lookback_hours"] = "one"
+    doc["topics"].append({"topic": "payments", "format": "json"})
+    doc["topics"].append(["not", "a", "mapping"])
+    with pytest.raises(SpecError) as err:
+        load_specs(_save(tmp_path, doc))
+    assert err.value.__cause__ is None and err.value.__context__ is None
+    lines = str(err.value).splitlines()
+    where = str(tmp_path / "topics.yaml")
+    assert all(line.startswith(f"{where}: ") for line in lines), lines
+    assert f"{where}: topic 'orders': missing required field 'format'" in lines
+    assert (
+        f"{where}: topic 'orders': allowed_lateness_hours: must be a valid integer (got 'two')"
+        in lines
+    )
+    assert (
+        f"{where}: topic 'orders', table 'orders_hourly': tables[0].lookback_hours: must be a "
+        "valid integer (got 'one')"
+    ) in lines
+    assert f"{where}: topic 'payments': missing required field 'columns'" in lines
+    assert (
+        f"{where}: topics[2]: must be a mapping of its fields (got ['not', 'a', 'mapping'])"
+        in lines
+    )
+    # The bad lateness is reported once, on the topic, not again on each table inheriting it.
+    assert sum("lateness" in line for line in lines if "topic 'orders'" in line) == 1
+    assert "pydantic" not in str(err.value) and "Input should" not in str(err.value)
+
+
+def test_unknown_top_level_field_is_refused(tmp_path: Path) -> None:
+    doc = yaml.safe_load(SPEC_PATH.read_text())
+    doc["topic"] = doc["topics"][0]
+    assert "unknown field(s) ['topic']; allowed: topics" in _error(_save(tmp_path, doc))
 
 
 def test_duplicate_topics_are_refused(tmp_path: Path) -> None:
     doc = yaml.safe_load(SPEC_PATH.read_text())
     doc["topics"].append(doc["topics"][0])
-    path = tmp_path / "topics.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    _copy_sql(tmp_path)
     with pytest.raises(SpecError, match="listed twice: orders"):
-        load_specs(path)
+        load_specs(_save(tmp_path, doc))

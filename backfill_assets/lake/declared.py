@@ -19,7 +19,7 @@ loading with the topic, the table and the column named.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -108,7 +108,7 @@ def validate(specs: list[TopicSpec], path: Path) -> list[TopicSpec]:
         if spec.current is not None:
             _check_current(spec, known, path)
         tables = tuple(_check_table(spec, t, known, path) for t in spec.tables)
-        out.append(replace(spec, tables=tables))
+        out.append(spec.model_copy(update={"tables": tables}))
     ordered(out, path)  # raises on a cycle
     return out
 
@@ -278,7 +278,7 @@ def _check_table(
             known,
             f"{where}: measure {m.name!r} (source side `{m.source}`)",
         )
-    return replace(table, refs=tuple(refs))
+    return table.model_copy(update={"refs": tuple(refs)})
 
 
 def _parse(sql: str, where: str) -> exp.Query:
@@ -350,6 +350,9 @@ def renamed(spec: TopicSpec, topic: str, **changes: Any) -> TopicSpec:
     ``changes`` replace other fields. For tests and benchmarks that need a fresh topic."""
     from sqlglot import exp
 
+    unknown = sorted(set(changes) - set(TopicSpec.model_fields))
+    if unknown:
+        raise TypeError(f"renamed(): TopicSpec has no field(s) {unknown}")
     old = spec.topic
 
     def new_name(name: str) -> str:
@@ -372,14 +375,15 @@ def renamed(spec: TopicSpec, topic: str, **changes: Any) -> TopicSpec:
         return out
 
     tables = tuple(
-        replace(
-            t,
-            name=names[t.name],
-            topic=topic,
-            sql=rewrite(t.sql),
-            source=names.get(t.source, t.source),
-            refs=tuple(names.get(r, r) for r in t.refs),
+        t.model_copy(
+            update={
+                "name": names[t.name],
+                "topic": topic,
+                "sql": rewrite(t.sql),
+                "source": names.get(t.source, t.source),
+                "refs": tuple(names.get(r, r) for r in t.refs),
+            }
         )
         for t in spec.tables
     )
-    return replace(spec, topic=topic, tables=tables, **changes)
+    return spec.model_copy(update={"topic": topic, "tables": tables, **changes})

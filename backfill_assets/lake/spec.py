@@ -2,21 +2,34 @@
 
 Per topic: how to read its records (columns, key, event id, event time, schema versions), its
 current-state rule, and its declared tables (Spark SQL files over the topic's events, other
-topics' current state and other declared tables; see :mod:`backfill_assets.lake.declared`). A bad
-field or declaration fails loading with a :class:`SpecError` that names the topic, the table
-and the field or column. Nothing here starts Spark.
+topics' current state and other declared tables; see :mod:`backfill_assets.lake.declared`).
+The pydantic models below are the spec's schema: their field descriptions document it. A bad
+field or declaration fails loading with a :class:`SpecError` that names the file, the topic,
+the table and the field path, one line per problem. Nothing here starts Spark.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from backfill_assets.errors import BackfillError
 
@@ -24,7 +37,8 @@ if TYPE_CHECKING:
     from pyspark.sql import Column
 
 SPEC_PATH = Path(__file__).resolve().parents[1] / "topics.yaml"
-COLUMN_TYPES = ("string", "bigint", "int", "double", "boolean", "timestamp")
+ColumnType = Literal["string", "bigint", "int", "double", "boolean", "timestamp"]
+COLUMN_TYPES: tuple[str, ...] = get_args(ColumnType)
 # Kafka's own default limit for one record batch (message.max.bytes) is about 1 MiB.
 DEFAULT_MAX_RECORD_BYTES = 1_048_576
 Upcaster = Callable[["Column"], dict[str, "Column"]]
@@ -51,79 +65,260 @@ CURRENT_META_COLUMNS = (
     ("kafka_offset", "bigint"),
 )
 
-
-@dataclass(frozen=True)
-class ColumnSpec:
-    name: str
-    type: str
-    nullable: bool = True
-    allowed: tuple[str, ...] | None = None
-    min: float | None = None
-    max: float | None = None
+Hours = Annotated[StrictInt, Field(ge=0)]
 
 
-@dataclass(frozen=True)
-class MeasureSpec:
+class _Spec(BaseModel):
+    """A frozen spec entry: unknown keys are refused, naming the allowed ones."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    # Fields the loader fills in; topics.yaml cannot set them.
+    derived: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields_then_defaults(cls, data: Any, info: ValidationInfo) -> Any:
+        if isinstance(data, dict):
+            allowed = sorted(set(cls.model_fields) - cls.derived)
+            unknown = sorted(str(k) for k in data if k not in allowed)
+            if unknown:
+                raise ValueError(f"unknown field(s) {unknown}; allowed: {allowed}")
+        return cls._defaults(data, info.context or {})
+
+    @classmethod
+    def _defaults(cls, data: Any, context: Mapping[str, Any]) -> Any:
+        """``data`` with the defaults that depend on other fields (raw input: may be wrong)."""
+        return data
+
+
+def _names_once(columns: tuple[ColumnSpec, ...]) -> tuple[ColumnSpec, ...]:
+    names = [c.name for c in columns]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"a column is listed twice: {twice}")
+    return columns
+
+
+def _timestamp_column(columns: tuple[ColumnSpec, ...], name: str, field: str) -> None:
+    """Raise unless ``name`` is one of ``columns`` and a timestamp."""
+    names = [c.name for c in columns]
+    if name not in names:
+        raise ValueError(f"{field}: {name!r} is not one of the columns {names}")
+    if columns[names.index(name)].type != "timestamp":
+        stamps = [c.name for c in columns if c.type == "timestamp"]
+        raise ValueError(f"{field}: {name!r} must be a timestamp column (one of {stamps})")
+
+
+def _importable(target: str) -> str:
+    module_name, colon, attr = target.partition(":")
+    if not colon:
+        raise ValueError(f"{target!r} must look like `package.module:function`")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import {module_name}: {exc}") from None
+    if not callable(getattr(module, attr, None)):
+        raise ValueError(f"{target} is not a function")
+    return target
+
+
+class ColumnSpec(_Spec):
+    """A column of a topic's records or of a declared table."""
+
+    name: str = Field(description="the payload field (topic) or output column (table)")
+    type: ColumnType = Field(description="its Spark type")
+    nullable: bool = Field(default=True, description="false quarantines (or fails) rows without it")
+    allowed: tuple[str, ...] | None = Field(default=None, description="the only values it may take")
+    min: StrictInt | StrictFloat | None = Field(
+        default=None, description="its smallest allowed value"
+    )
+    max: StrictInt | StrictFloat | None = Field(
+        default=None, description="its largest allowed value"
+    )
+
+    @field_validator("min", "max", mode="before")
+    @classmethod
+    def _number(cls, value: Any) -> Any:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ValueError(f"must be a number (got {value!r})")
+        return value
+
+
+Columns = Annotated[tuple[ColumnSpec, ...], AfterValidator(_names_once)]
+
+
+class MeasureSpec(_Spec):
     """A figure reconciled on every run: ``table`` (an aggregate over the table's rows in the
-    window) must equal ``source`` (an aggregate over the source's rows in the window)."""
+    window) must equal ``source`` (an aggregate over the source's rows in the window). A bare
+    string ``x`` is short for ``{name: x}``."""
 
-    name: str
-    table: str
-    source: str
+    name: str = Field(description="the figure's name (and the column summed by default)")
+    table: str = Field(description="aggregate over the table's window; default `sum(<name>)`")
+    source: str = Field(description="aggregate over the source's window; default `sum(<name>)`")
+
+    @classmethod
+    def _defaults(cls, data: Any, context: Mapping[str, Any]) -> Any:
+        data = {"name": data} if isinstance(data, str) else data
+        if isinstance(data, dict) and isinstance(data.get("name"), str):
+            return {"table": f"sum({data['name']})", "source": f"sum({data['name']})", **data}
+        return data
 
 
-@dataclass(frozen=True)
-class TableSpec:
+class TableSpec(_Spec):
     """A declared table: Spark SQL with ``{start}``/``{end}`` over named relations, written
     per event-time hour through write-audit-publish."""
 
-    name: str
-    topic: str
-    sql: str
-    sql_origin: str  # the file (or "inline") the SQL came from, for messages
-    event_time: str
-    grain: tuple[str, ...]
-    lateness_hours: int
-    lookback_hours: int
-    source: str  # the relation measures reconcile against (the topic's events by default)
-    columns: tuple[ColumnSpec, ...]
-    measures: tuple[MeasureSpec, ...] = ()
-    refs: tuple[str, ...] = ()  # relations the SQL reads, found when the spec is validated
-    description: str | None = None
+    derived: ClassVar[frozenset[str]] = frozenset({"topic", "sql_origin", "refs"})
+
+    name: str = Field(
+        pattern=r"^[a-z_][a-z0-9_]*$", description="the Iceberg table: a lower-case identifier"
+    )
+    topic: str = Field(default="", description="the topic it is declared under (set by the loader)")
+    sql: str = Field(
+        description="one Spark SQL query, or a `.sql` file relative to topics.yaml (loaded)"
+    )
+    sql_origin: str = Field(
+        default="inline", description="the file the SQL came from, for messages"
+    )
+    event_time: str = Field(description="its timestamp column each run's window filters on")
+    grain: tuple[str, ...] = Field(min_length=1, description="the columns that make a row unique")
+    lateness_hours: Hours = Field(description="late events accepted; default: the topic's")
+    lookback_hours: Hours = Field(
+        default=0, description="extra hours before the window the SQL reads"
+    )
+    source: str = Field(description="relation measures reconcile against; default: the topic")
+    columns: Columns = Field(description="its output columns, exactly as the SQL selects them")
+    measures: tuple[MeasureSpec, ...] = Field(
+        default=(), description="figures checked on every run"
+    )
+    refs: tuple[str, ...] = Field(
+        default=(), description="relations its SQL reads (set by validation)"
+    )
+    description: str | None = Field(default=None, description="shown on the asset")
+
+    @classmethod
+    def _defaults(cls, data: Any, context: Mapping[str, Any]) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = {"topic": context.get("topic", ""), **data, "measures": data.get("measures") or ()}
+        ref = data.get("sql")
+        if isinstance(ref, str) and ref.strip().endswith(".sql") and "\n" not in ref.strip():
+            sql_file = (Path(context.get("path", SPEC_PATH)).parent / ref.strip()).resolve()
+            try:
+                data.update(sql=sql_file.read_text(), sql_origin=str(sql_file))
+            except OSError as exc:
+                raise ValueError(f"sql: cannot read its SQL file {sql_file}: {exc}") from None
+        return data
+
+    @model_validator(mode="after")
+    def _columns_agree(self) -> TableSpec:
+        _timestamp_column(self.columns, self.event_time, "event_time")
+        names = [c.name for c in self.columns]
+        for g in self.grain:
+            if g not in names:
+                raise ValueError(f"grain: column {g!r} is not one of its columns {names}")
+        return self
 
     def column(self, name: str) -> ColumnSpec:
         return next(c for c in self.columns if c.name == name)
 
 
-@dataclass(frozen=True)
-class CurrentSpec:
+class CurrentSpec(_Spec):
     """The current-state rule: per ``key`` the latest event by ``order_by`` (then Kafka
     time, partition, offset); a tombstone, or an event matching ``deleted_when``, deletes."""
 
-    key: str
-    order_by: str
-    deleted_when: str | None = None
+    key: str = Field(description="must be the topic's key_field (default)")
+    order_by: str = Field(description="timestamp column; default: the topic's event_time_field")
+    deleted_when: str | None = Field(
+        default=None, description="SQL condition marking a deleting event"
+    )
 
 
-@dataclass(frozen=True)
-class TopicSpec:
-    topic: str
-    format: str
-    key_field: str
-    event_id_field: str
-    event_time_field: str
-    version_field: str | None
-    partition_start: datetime
-    allowed_lateness_hours: int
-    quarantine_max_ratio: float
-    upcasters: Mapping[int, str]
-    columns: tuple[ColumnSpec, ...]
-    # A record whose key + value exceed this is quarantined as record_too_large:<bytes>.
-    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
-    # Records of this version already carry the columns' fields: read them as they are.
-    latest_version: int | None = None
-    current: CurrentSpec | None = None
-    tables: tuple[TableSpec, ...] = ()
+class TopicSpec(_Spec):
+    """A Kafka topic: how to read its records, its current state and its declared tables."""
+
+    topic: str = Field(description="the Kafka topic (and the prefix of its tables)")
+    format: Literal["json"] = Field(description="the record values' encoding")
+    key_field: str = Field(description="the column whose value the Kafka key holds")
+    event_id_field: str = Field(description="unique per event; duplicates are removed")
+    event_time_field: str = Field(description="timestamp column that orders events")
+    version_field: str | None = Field(default=None, description="payload field naming its version")
+    partition_start: datetime = Field(description="first Kafka-time hour, ISO-8601 with offset")
+    allowed_lateness_hours: Hours = Field(description="hours an event-time hour stays open")
+    quarantine_max_ratio: StrictFloat = Field(ge=0, le=1, description="blocking quarantine ratio")
+    upcasters: Mapping[StrictInt, Annotated[str, AfterValidator(_importable)]] = Field(
+        default_factory=dict, description="schema version -> `package.module:function`"
+    )
+    columns: Columns = Field(description="the latest schema: every field a record carries")
+    max_record_bytes: StrictInt = Field(
+        default=DEFAULT_MAX_RECORD_BYTES, gt=0, description="key + value above it are quarantined"
+    )
+    latest_version: StrictInt | None = Field(
+        default=None, description="version read as the columns say; default 1 without version_field"
+    )
+    current: CurrentSpec | None = Field(default=None, description="the current-state rule")
+    tables: tuple[TableSpec, ...] = Field(default=(), description="tables declared over the topic")
+
+    @classmethod
+    def _defaults(cls, data: Any, context: Mapping[str, Any]) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = {**data, "upcasters": data.get("upcasters") or {}}
+        if data.get("version_field") is None and data.get("latest_version") is None:
+            data["latest_version"] = 1  # no version field: every record is read as the columns
+        rule = {"key": data.get("key_field"), "order_by": data.get("event_time_field")}
+        if isinstance(data.get("current"), dict | None) and None not in rule.values():
+            data["current"] = {**rule, **(data.get("current") or {})}
+        lateness = data.get("allowed_lateness_hours")
+        inherited = {
+            "source": data.get("topic"),
+            # A wrong topic-level value is reported once, on the topic.
+            "lateness_hours": lateness if type(lateness) is int and lateness >= 0 else 0,
+        }
+        tables = data.get("tables") or ()
+        if isinstance(tables, list):
+            tables = [{**inherited, **t} if isinstance(t, dict) else t for t in tables]
+        return {**data, "tables": tables}
+
+    @field_validator("partition_start", mode="before")
+    @classmethod
+    def _whole_hour(cls, value: Any) -> datetime:
+        example = "e.g. '2026-01-01T00:00:00+00:00'"
+        try:
+            start = value if isinstance(value, datetime) else datetime.fromisoformat(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"must be ISO-8601 with a UTC offset, {example}") from None
+        if start.tzinfo is None or start.minute or start.second or start.microsecond:
+            raise ValueError(f"must be a whole hour with a UTC offset, {example}")
+        return start
+
+    @model_validator(mode="after")
+    def _fields_agree(self) -> TopicSpec:
+        names = [c.name for c in self.columns]
+        for field in ("key_field", "event_id_field"):
+            if getattr(self, field) not in names:
+                raise ValueError(f"{field}: {getattr(self, field)!r} is not one of the columns")
+        _timestamp_column(self.columns, self.event_time_field, "event_time_field")
+        ups, latest = self.upcasters, self.latest_version
+        if self.version_field is None and ups:
+            raise ValueError("upcasters need a version_field (the payload field naming it)")
+        if latest is not None and latest in ups:
+            raise ValueError(
+                f"version {latest} is both latest_version (read as the columns) and an "
+                "upcaster's; keep one"
+            )
+        if not ups and latest is None:
+            raise ValueError(
+                "give latest_version (its records carry the columns' fields) or upcasters for "
+                "at least one schema version"
+            )
+        if latest is not None and ups and latest < max(ups):
+            raise ValueError(f"latest_version {latest} is older than an upcaster's version")
+        if self.current is not None:
+            if self.current.key not in names:
+                raise ValueError(f"current.key: {self.current.key!r} is not one of the columns")
+            _timestamp_column(self.columns, self.current.order_by, "current.order_by")
+        return self
 
     @property
     def raw_table(self) -> str:
@@ -139,7 +334,7 @@ class TopicSpec:
 
     @property
     def current_rule(self) -> CurrentSpec:
-        return self.current or CurrentSpec(self.key_field, self.event_time_field)
+        return self.current or CurrentSpec(key=self.key_field, order_by=self.event_time_field)
 
     @property
     def versions(self) -> list[int]:
@@ -176,7 +371,22 @@ def load_specs(path: Path | None = None) -> list[TopicSpec]:
         raise SpecError(f"cannot read topic spec {path}: {exc}") from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("topics"), list):
         raise SpecError(f"{path}: expected a mapping with a 'topics' list")
-    specs = [_topic(entry, i, path) for i, entry in enumerate(doc["topics"])]
+    if set(doc) != {"topics"}:
+        raise SpecError(
+            f"{path}: unknown field(s) {sorted(set(doc) - {'topics'})}; allowed: topics"
+        )
+    specs, problems = [], []
+    for i, entry in enumerate(doc["topics"]):
+        name = entry.get("topic") if isinstance(entry, dict) else None
+        where = f"{path}: topic {name!r}" if isinstance(name, str) else f"{path}: topics[{i}]"
+        try:
+            specs.append(
+                TopicSpec.model_validate(entry, context={"path": path, "topic": name or ""})
+            )
+        except ValidationError as err:
+            problems += [_problem(where, entry, e) for e in err.errors()]
+    if problems:
+        raise SpecError("\n".join(problems))
     names = [s.topic for s in specs]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -184,287 +394,46 @@ def load_specs(path: Path | None = None) -> list[TopicSpec]:
     return declared.validate(specs, path)
 
 
-def _topic(entry: Any, index: int, path: Path) -> TopicSpec:
-    where = f"{path}: topics[{index}]"
-    if not isinstance(entry, dict):
-        raise SpecError(f"{where} must be a mapping")
-    topic = _req(entry, "topic", str, where)
-    where = f"{path}: topic {topic!r}"
-    unknown = set(entry) - _TOPIC_FIELDS
-    if unknown:
-        raise SpecError(
-            f"{where}: unknown field(s) {sorted(unknown)}; allowed: {sorted(_TOPIC_FIELDS)}"
-        )
-    fmt = _req(entry, "format", str, where)
-    if fmt != "json":
-        raise SpecError(f"{where}: format {fmt!r} is not supported; allowed: json")
-    try:
-        start = datetime.fromisoformat(_req(entry, "partition_start", str, where))
-    except ValueError:
-        raise SpecError(f"{where}: partition_start must be ISO-8601 with a UTC offset") from None
-    if start.tzinfo is None or start.minute or start.second:
-        raise SpecError(f"{where}: partition_start must be a whole hour with a UTC offset")
-    lateness = _req(entry, "allowed_lateness_hours", int, where)
-    if lateness < 0:
-        raise SpecError(f"{where}: allowed_lateness_hours must be >= 0")
-    ratio = float(_req(entry, "quarantine_max_ratio", (int, float), where))
-    if not 0 <= ratio <= 1:
-        raise SpecError(f"{where}: quarantine_max_ratio must be between 0 and 1")
-    max_bytes = entry.get("max_record_bytes", DEFAULT_MAX_RECORD_BYTES)
-    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
-        raise SpecError(f"{where}: max_record_bytes must be a positive whole number of bytes")
-    raw_up = entry.get("upcasters") or {}
-    if not isinstance(raw_up, dict):
-        raise SpecError(f"{where}: upcasters must map schema versions to `module:function`")
-    upcasters: dict[int, str] = {}
-    for version, target in raw_up.items():
-        if not isinstance(version, int) or not isinstance(target, str) or ":" not in target:
-            raise SpecError(
-                f"{where}: upcasters entries must look like `1: package.module:function`"
-            )
-        module_name, _, attr = target.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise SpecError(
-                f"{where}: upcasters[{version}]: cannot import {module_name}: {exc}"
-            ) from exc
-        if not callable(getattr(module, attr, None)):
-            raise SpecError(f"{where}: upcasters[{version}]: {target} is not a function")
-        upcasters[version] = target
-    version_field = entry.get("version_field")
-    if version_field is not None and not isinstance(version_field, str):
-        raise SpecError(f"{where}: version_field must be the name of the payload's version field")
-    latest = entry.get("latest_version")
-    if latest is None and version_field is None:
-        latest = 1  # no version field: every record is read as the columns say
-    if latest is not None and (not isinstance(latest, int) or isinstance(latest, bool)):
-        raise SpecError(f"{where}: latest_version must be a whole number")
-    if version_field is None and upcasters:
-        raise SpecError(
-            f"{where}: upcasters need a version_field (the payload field naming the version)"
-        )
-    if latest is not None and latest in upcasters:
-        raise SpecError(
-            f"{where}: version {latest} is both latest_version (read as the columns) and an "
-            "upcaster's; keep one"
-        )
-    if not upcasters and latest is None:
-        raise SpecError(
-            f"{where}: give latest_version (its records carry the columns' fields) or "
-            "upcasters for at least one schema version"
-        )
-    if latest is not None and upcasters and latest < max(upcasters):
-        raise SpecError(f"{where}: latest_version {latest} is older than an upcaster's version")
-    columns = tuple(_column(c, where) for c in _req(entry, "columns", list, where))
-    col_names = {c.name for c in columns}
-    if len(col_names) != len(columns):
-        raise SpecError(f"{where}: a column is listed twice")
-    for field in ("key_field", "event_id_field", "event_time_field"):
-        name = _req(entry, field, str, where)
-        if name not in col_names:
-            raise SpecError(f"{where}: {field} {name!r} is not one of the columns")
-    if next(c for c in columns if c.name == entry["event_time_field"]).type != "timestamp":
-        raise SpecError(
-            f"{where}: event_time_field {entry['event_time_field']!r} must be a timestamp"
-        )
-    current = _current(
-        entry.get("current"), entry["key_field"], entry["event_time_field"], columns, where
-    )
-    tables = tuple(
-        _table(t, topic, lateness, columns, path, where) for t in _opt_list(entry, "tables", where)
-    )
-    return TopicSpec(
-        topic=topic,
-        format=fmt,
-        key_field=entry["key_field"],
-        event_id_field=entry["event_id_field"],
-        event_time_field=entry["event_time_field"],
-        version_field=version_field,
-        partition_start=start,
-        allowed_lateness_hours=lateness,
-        quarantine_max_ratio=ratio,
-        upcasters=upcasters,
-        columns=columns,
-        max_record_bytes=max_bytes,
-        latest_version=latest,
-        current=current,
-        tables=tables,
-    )
+_LABELS = {"tables": "table", "columns": "column", "measures": "measure"}
 
 
-_TOPIC_FIELDS = frozenset(
-    {
-        "topic",
-        "format",
-        "key_field",
-        "event_id_field",
-        "event_time_field",
-        "partition_start",
-        "allowed_lateness_hours",
-        "quarantine_max_ratio",
-        "max_record_bytes",
-        "version_field",
-        "latest_version",
-        "upcasters",
-        "columns",
-        "current",
-        "tables",
-    }
-)
-_TABLE_FIELDS = frozenset(
-    {
-        "name",
-        "sql",
-        "description",
-        "event_time",
-        "grain",
-        "lateness_hours",
-        "lookback_hours",
-        "source",
-        "columns",
-        "measures",
-    }
-)
-
-
-def _opt_list(entry: Mapping[str, Any], field: str, where: str) -> list[Any]:
-    value = entry.get(field) or []
-    if not isinstance(value, list):
-        raise SpecError(f"{where}: {field} must be a list")
-    return value
-
-
-def _current(
-    raw: Any, key_field: str, event_time: str, columns: tuple[ColumnSpec, ...], where: str
-) -> CurrentSpec:
-    if raw is None:
-        return CurrentSpec(key_field, event_time)
-    if not isinstance(raw, dict):
-        raise SpecError(f"{where}: current must be a mapping (key, order_by, deleted_when)")
-    unknown = set(raw) - {"key", "order_by", "deleted_when"}
-    if unknown:
-        raise SpecError(f"{where}: current has unknown field(s) {sorted(unknown)}")
-    types = {c.name: c.type for c in columns}
-    key = raw.get("key", key_field)
-    if key not in types:
-        raise SpecError(f"{where}: current.key {key!r} is not one of the columns")
-    order_by = raw.get("order_by", event_time)
-    if types.get(order_by) != "timestamp":
-        raise SpecError(f"{where}: current.order_by {order_by!r} must be a timestamp column")
-    deleted_when = raw.get("deleted_when")
-    if deleted_when is not None and not isinstance(deleted_when, str):
-        raise SpecError(f"{where}: current.deleted_when must be a SQL condition (a string)")
-    return CurrentSpec(key, order_by, deleted_when)
-
-
-def _table(
-    raw: Any,
-    topic: str,
-    lateness: int,
-    topic_columns: tuple[ColumnSpec, ...],
-    path: Path,
-    where: str,
-) -> TableSpec:
-    if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
-        raise SpecError(f"{where}: every entry of tables needs a name")
-    name = raw["name"]
-    where = f"{where}, table {name!r}"
-    if not name.isidentifier() or name != name.lower():
-        raise SpecError(f"{where}: a table name must be a lower-case SQL identifier")
-    unknown = set(raw) - _TABLE_FIELDS
-    if unknown:
-        raise SpecError(
-            f"{where}: unknown field(s) {sorted(unknown)}; allowed: {sorted(_TABLE_FIELDS)}"
-        )
-    sql_ref = _req(raw, "sql", str, where)
-    if sql_ref.strip().endswith(".sql") and "\n" not in sql_ref.strip():
-        sql_file = (path.parent / sql_ref.strip()).resolve()
-        try:
-            sql, origin = sql_file.read_text(), str(sql_file)
-        except OSError as exc:
-            raise SpecError(f"{where}: cannot read its SQL file {sql_file}: {exc}") from None
+def _problem(where: str, entry: Any, error: Any) -> str:
+    """One pydantic error as ``<where>[, table 'x'][, column 'y']: <field path>: <message>``."""
+    loc, kind, raw = list(error["loc"]), error["type"], entry
+    if kind in ("missing", "extra_forbidden"):
+        field = loc.pop()
+        msg = f"{'missing required' if kind == 'missing' else 'unknown'} field {field!r}"
+    elif kind == "value_error":
+        msg = str(error["ctx"]["error"])
     else:
-        sql, origin = sql_ref, "inline"
-    columns = tuple(_column(c, where) for c in _req(raw, "columns", list, where))
-    names = [c.name for c in columns]
-    if len(set(names)) != len(names):
-        raise SpecError(f"{where}: a column is listed twice")
-    event_time = _req(raw, "event_time", str, where)
-    if event_time not in names:
-        raise SpecError(f"{where}: event_time {event_time!r} is not one of its columns {names}")
-    if next(c for c in columns if c.name == event_time).type != "timestamp":
-        raise SpecError(f"{where}: event_time {event_time!r} must be a timestamp column")
-    grain = _req(raw, "grain", list, where)
-    if not grain:
-        raise SpecError(f"{where}: grain must list the columns that make a row unique")
-    for g in grain:
-        if g not in names:
-            raise SpecError(f"{where}: grain column {g!r} is not one of its columns {names}")
-    table_lateness = raw.get("lateness_hours", lateness)
-    lookback = raw.get("lookback_hours", 0)
-    for field, value in (("lateness_hours", table_lateness), ("lookback_hours", lookback)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise SpecError(f"{where}: {field} must be a whole number of hours >= 0")
-    source = raw.get("source", topic)
-    if not isinstance(source, str):
-        raise SpecError(f"{where}: source must name a relation (default: the topic {topic!r})")
-    measures = []
-    for item in _opt_list(raw, "measures", where):
-        m = {"name": item} if isinstance(item, str) else item
-        if not isinstance(m, dict) or not isinstance(m.get("name"), str):
-            raise SpecError(f"{where}: every measure needs a name")
-        extra = set(m) - {"name", "table", "source"}
-        if extra:
-            raise SpecError(f"{where}: measure {m['name']!r} has unknown field(s) {sorted(extra)}")
-        default = f"sum({m['name']})"
-        measures.append(
-            MeasureSpec(m["name"], str(m.get("table", default)), str(m.get("source", default)))
+        msg = (
+            re.sub(r"^\w+ should", "must", error["msg"])
+            .replace("valid tuple", "list")
+            .replace(" after validation", "")
         )
-    description = raw.get("description")
-    return TableSpec(
-        name=name,
-        topic=topic,
-        sql=sql,
-        sql_origin=origin,
-        event_time=event_time,
-        grain=tuple(str(g) for g in grain),
-        lateness_hours=table_lateness,
-        lookback_hours=lookback,
-        source=source,
-        columns=columns,
-        measures=tuple(measures),
-        description=str(description) if description is not None else None,
-    )
+        if kind == "model_type":
+            msg = "must be a mapping of its fields"
+        if not isinstance(error["input"], dict):
+            got = repr(error["input"])
+            msg += f" (got {got if len(got) <= 60 else got[:57] + '...'})"
+    path = ""
+    for prev, part in zip([None, *loc], loc, strict=False):
+        raw = _child(raw, part)
+        label = raw.get("name") if isinstance(raw, dict) else raw
+        if isinstance(part, int) and prev in _LABELS and isinstance(label, str):
+            where += f", {_LABELS[str(prev)]} {label!r}"
+        if part == "[key]":  # a mapping's key (not its value) is wrong
+            path += " (key)"
+        elif isinstance(part, int) or prev == "upcasters":
+            path += f"[{part!r}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return f"{where}: {path}: {msg}" if path else f"{where}: {msg}"
 
 
-def _column(raw: Any, where: str) -> ColumnSpec:
-    if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
-        raise SpecError(f"{where}: every column needs a name")
-    name = raw["name"]
-    ctype = raw.get("type")
-    if ctype not in COLUMN_TYPES:
-        raise SpecError(
-            f"{where}: column {name!r} has type {ctype!r}; allowed: {', '.join(COLUMN_TYPES)}"
-        )
-    unknown = set(raw) - {"name", "type", "nullable", "allowed", "min", "max"}
-    if unknown:
-        raise SpecError(f"{where}: column {name!r} has unknown field(s) {sorted(unknown)}")
-    allowed = raw.get("allowed")
-    return ColumnSpec(
-        name=name,
-        type=ctype,
-        nullable=bool(raw.get("nullable", True)),
-        allowed=tuple(str(a) for a in allowed) if allowed is not None else None,
-        min=raw.get("min"),
-        max=raw.get("max"),
-    )
-
-
-def _req(entry: Mapping[str, Any], field: str, kind: Any, where: str) -> Any:
-    if field not in entry:
-        raise SpecError(f"{where}: missing required field {field!r}")
-    value = entry[field]
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        raise SpecError(f"{where}: field {field!r} has the wrong type ({type(value).__name__})")
-    return value
+def _child(raw: Any, part: Any) -> Any:
+    if isinstance(raw, dict):
+        return raw.get(part)
+    if isinstance(raw, list) and isinstance(part, int) and 0 <= part < len(raw):
+        return raw[part]
+    return None
