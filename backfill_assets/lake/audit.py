@@ -29,6 +29,7 @@ EVENTS = (
     "run_failed",
     "rollback",
     "archive",
+    "maintenance",
 )
 
 _TS = pa.timestamp("us", tz="UTC")

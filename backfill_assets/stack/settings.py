@@ -9,9 +9,12 @@ Spark ``local[2]``, a SQLite SQL catalog with a ``file://`` warehouse, all under
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
@@ -115,6 +118,29 @@ class CatalogSettings:
 
 
 @dataclass(frozen=True)
+class MaintenanceSettings:
+    """Table maintenance (``backfill_assets.lake.maintenance``): which steps run and what they
+    keep. Retentions are ages; each step can be switched off."""
+
+    expire_snapshots: bool = True
+    # Snapshots younger than this are kept, and so is main before every publish younger than
+    # this: the rollback window.
+    snapshot_retention: timedelta = timedelta(hours=168)
+    min_snapshots: int = 5
+    remove_orphans: bool = True
+    # Files newer than this are never removed: longer than any write can run.
+    orphan_retention: timedelta = timedelta(hours=72)
+    compact: bool = True
+    target_file_bytes: int = 128 * 1024 * 1024
+    drop_branches: bool = True
+    branch_retention: timedelta = timedelta(hours=72)
+    # A branch whose run is not known to have ended is kept until its newest commit is this old.
+    running_grace: timedelta = timedelta(hours=24)
+    cron: str = "17 3 * * *"
+    schedules_running: bool = True
+
+
+@dataclass(frozen=True)
 class Settings:
     """Everything that differs between the embedded local stack and production."""
 
@@ -141,6 +167,13 @@ class Settings:
     # The topics-and-tables spec Definitions are built from (BACKFILL_SPEC); None: the
     # package's own topics.yaml.
     spec_path: Path | None = None
+    # Spark core settings, applied when the session is built (BACKFILL_SPARK_EXECUTOR_*);
+    # None leaves Spark's own default (local mode runs executors inside the driver anyway).
+    spark_executor_memory: str | None = None
+    spark_executor_cores: int | None = None
+    # Any other spark.* settings (BACKFILL_SPARK_CONF, a JSON object), applied last.
+    spark_extra_conf: Mapping[str, str] = field(default_factory=dict)
+    maintenance: MaintenanceSettings = field(default_factory=MaintenanceSettings)
 
     @property
     def kafka_data_dir(self) -> Path:
@@ -213,8 +246,15 @@ class Settings:
             kafka=kafka,
             catalog=catalog,
             spark_master=env.get("BACKFILL_SPARK_MASTER", "local[2]"),
-            spark_driver_memory=env.get("BACKFILL_SPARK_DRIVER_MEMORY", "2g"),
+            spark_driver_memory=_memory(env, "BACKFILL_SPARK_DRIVER_MEMORY", "2g") or "2g",
             spark_shuffle_partitions=_int(env, "BACKFILL_SPARK_SHUFFLE_PARTITIONS", 4),
+            spark_executor_memory=_memory(env, "BACKFILL_SPARK_EXECUTOR_MEMORY", None),
+            spark_executor_cores=(
+                _int(env, "BACKFILL_SPARK_EXECUTOR_CORES", 1)
+                if env.get("BACKFILL_SPARK_EXECUTOR_CORES")
+                else None
+            ),
+            spark_extra_conf=_spark_conf(env),
             archive_uri=env.get("BACKFILL_ARCHIVE_URI", (home / "archive").as_uri()),
             archive_file_records=_int(env, "BACKFILL_ARCHIVE_FILE_RECORDS", 100_000),
             dagster_storage=Path(
@@ -230,7 +270,41 @@ class Settings:
             publish_attempts=_int(env, "BACKFILL_PUBLISH_ATTEMPTS", 5),
             fault_point=_fault_point(env),
             spec_path=Path(env["BACKFILL_SPEC"]).resolve() if env.get("BACKFILL_SPEC") else None,
+            maintenance=_maintenance(env),
         )
+
+
+def _maintenance(env: Mapping[str, str]) -> MaintenanceSettings:
+    prefix = "BACKFILL_MAINTENANCE_"
+    orphan_hours = _int(env, prefix + "ORPHAN_RETENTION_HOURS", 72)
+    if orphan_hours < 24:
+        raise SettingsError(
+            f"{prefix}ORPHAN_RETENTION_HOURS={orphan_hours} is below 24: files of a write still "
+            "running could be deleted as orphans. Use 24 or more (default 72)"
+        )
+    cron = env.get(prefix + "CRON", "17 3 * * *").strip()
+    if len(cron.split()) != 5:
+        raise SettingsError(
+            f"{prefix}CRON={cron!r} is not a 5-field cron expression (e.g. '17 3 * * *')"
+        )
+    return MaintenanceSettings(
+        expire_snapshots=_switch(env, prefix + "EXPIRE", default=True),
+        snapshot_retention=timedelta(
+            hours=_int(env, prefix + "SNAPSHOT_RETENTION_HOURS", 168, zero_ok=True)
+        ),
+        min_snapshots=_int(env, prefix + "MIN_SNAPSHOTS", 5),
+        remove_orphans=_switch(env, prefix + "ORPHANS", default=True),
+        orphan_retention=timedelta(hours=orphan_hours),
+        compact=_switch(env, prefix + "COMPACTION", default=True),
+        target_file_bytes=_int(env, prefix + "TARGET_FILE_MB", 128) * 1024 * 1024,
+        drop_branches=_switch(env, prefix + "BRANCHES", default=True),
+        branch_retention=timedelta(
+            hours=_int(env, prefix + "BRANCH_RETENTION_HOURS", 72, zero_ok=True)
+        ),
+        running_grace=timedelta(hours=_int(env, prefix + "RUNNING_GRACE_HOURS", 24)),
+        cron=cron,
+        schedules_running=_switch(env, prefix + "SCHEDULES", default=True),
+    )
 
 
 def _int(env: Mapping[str, str], name: str, default: int, zero_ok: bool = False) -> int:
@@ -245,6 +319,66 @@ def _int(env: Mapping[str, str], name: str, default: int, zero_ok: bool = False)
         kind = "zero or a positive" if zero_ok else "a positive"
         raise SettingsError(f"{name}={raw!r} must be {kind} whole number")
     return value
+
+
+_MEMORY = re.compile(r"[1-9][0-9]*[kmgtp]?", re.IGNORECASE)
+# Keys BACKFILL_SPARK_CONF may not set: each has its own setting (named here), or is derived
+# from other settings and would break the catalog or the jars if overridden.
+_SPARK_CONF_OWNED = {
+    "spark.master": "BACKFILL_SPARK_MASTER",
+    "spark.driver.memory": "BACKFILL_SPARK_DRIVER_MEMORY",
+    "spark.executor.memory": "BACKFILL_SPARK_EXECUTOR_MEMORY",
+    "spark.executor.cores": "BACKFILL_SPARK_EXECUTOR_CORES",
+    "spark.sql.shuffle.partitions": "BACKFILL_SPARK_SHUFFLE_PARTITIONS",
+    "spark.jars": "BACKFILL_JAR_CACHE (infra/maven/spark/pom.xml)",
+    "spark.sql.session.timeZone": "nothing: the project needs UTC",
+    "spark.sql.extensions": "nothing: Iceberg's SQL extensions are required",
+}
+
+
+def _memory(env: Mapping[str, str], name: str, default: str | None) -> str | None:
+    """A JVM memory size as Spark reads it (``512m``, ``4g``; a bare number is bytes)."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    if not _MEMORY.fullmatch(raw):
+        raise SettingsError(
+            f"{name}={raw!r} is not a memory size; use a number with a unit, e.g. 512m or 4g"
+        )
+    return raw.lower()
+
+
+def _spark_conf(env: Mapping[str, str]) -> dict[str, str]:
+    """``BACKFILL_SPARK_CONF``: extra ``spark.*`` settings as a JSON object of strings (or
+    numbers, booleans), e.g. ``{"spark.executor.instances": "4"}``."""
+    name = "BACKFILL_SPARK_CONF"
+    raw = env.get(name, "").strip()
+    if not raw:
+        return {}
+    example = 'e.g. {"spark.executor.instances": "4"}'
+    try:
+        doc = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise SettingsError(f"{name} is not valid JSON ({exc.msg}); {example}") from None
+    if not isinstance(doc, dict):
+        raise SettingsError(f"{name} must be a JSON object of spark.* settings; {example}")
+    conf: dict[str, str] = {}
+    for key, value in doc.items():
+        if not key.startswith("spark."):
+            raise SettingsError(f"{name}: key {key!r} is not a Spark setting (spark.*)")
+        if key in _SPARK_CONF_OWNED:
+            raise SettingsError(f"{name}: {key} is set by {_SPARK_CONF_OWNED[key]}, not here")
+        if key.startswith("spark.sql.catalog."):
+            raise SettingsError(
+                f"{name}: {key} belongs to the Iceberg catalog, set by BACKFILL_CATALOG_*"
+            )
+        if isinstance(value, bool):
+            conf[key] = "true" if value else "false"
+        elif isinstance(value, str | int | float):
+            conf[key] = str(value)
+        else:
+            raise SettingsError(f"{name}: {key} must be a string, number or boolean")
+    return conf
 
 
 def _fault_point(env: Mapping[str, str]) -> str | None:
