@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+import re
+from typing import TYPE_CHECKING
+
 import pytest
 
 from backfill_assets.errors import SettingsError
 from backfill_assets.stack import catalog, spark
 from backfill_assets.stack.settings import Settings
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 
 def test_local_defaults_describe_the_embedded_stack(tmp_path: object) -> None:
@@ -94,3 +101,74 @@ def test_spark_config_follows_the_master_setting(stack_settings: Settings) -> No
     assert local["spark.driver.bindAddress"] == "127.0.0.1"
     assert "iceberg-spark-runtime-4.1_2.13" in local["spark.jars"]
     assert "spark-sql-kafka-0-10_2.13-4.1.3" in local["spark.jars"]
+
+
+def test_spark_core_settings_reach_the_session_builder(stack_env: dict[str, str]) -> None:
+    env = {
+        **stack_env,
+        "BACKFILL_SPARK_MASTER": "spark://spark-master.example.internal:7077",
+        "BACKFILL_SPARK_DRIVER_MEMORY": "3G",
+        "BACKFILL_SPARK_EXECUTOR_MEMORY": "6g",
+        "BACKFILL_SPARK_EXECUTOR_CORES": "3",
+        "BACKFILL_SPARK_CONF": '{"spark.executor.instances": 4, "spark.speculation": false}',
+    }
+    conf = spark.spark_config(Settings.from_env(env), {"spark.sql.adaptive.enabled": False})
+    assert conf["spark.master"] == "spark://spark-master.example.internal:7077"
+    assert conf["spark.driver.memory"] == "3g"
+    assert conf["spark.executor.memory"] == "6g"
+    assert conf["spark.executor.cores"] == "3"
+    assert conf["spark.executor.instances"] == "4"
+    assert conf["spark.speculation"] == "false"
+    assert conf["spark.sql.adaptive.enabled"] == "false"  # the resource's overrides come last
+    # Unset: Spark's own defaults, nothing in the builder.
+    local = spark.spark_config(Settings.from_env(stack_env))
+    assert local["spark.driver.memory"] == "2g"
+    assert "spark.executor.memory" not in local
+    assert "spark.executor.cores" not in local
+
+
+@pytest.mark.parametrize(
+    ("env", "names"),
+    [
+        ({"BACKFILL_SPARK_EXECUTOR_MEMORY": "lots"}, "BACKFILL_SPARK_EXECUTOR_MEMORY='lots'"),
+        ({"BACKFILL_SPARK_DRIVER_MEMORY": "2 GB"}, "BACKFILL_SPARK_DRIVER_MEMORY"),
+        ({"BACKFILL_SPARK_EXECUTOR_CORES": "0"}, "BACKFILL_SPARK_EXECUTOR_CORES"),
+        ({"BACKFILL_SPARK_CONF": "spark.a=1"}, "BACKFILL_SPARK_CONF is not valid JSON"),
+        ({"BACKFILL_SPARK_CONF": '["spark.a"]'}, "JSON object"),
+        ({"BACKFILL_SPARK_CONF": '{"fs.s3a.x": "1"}'}, "'fs.s3a.x' is not a Spark setting"),
+        (
+            {"BACKFILL_SPARK_CONF": '{"spark.executor.memory": "4g"}'},
+            "spark.executor.memory is set by BACKFILL_SPARK_EXECUTOR_MEMORY",
+        ),
+        ({"BACKFILL_SPARK_CONF": '{"spark.sql.catalog.lake.uri": "x"}'}, "BACKFILL_CATALOG_"),
+        ({"BACKFILL_SPARK_CONF": '{"spark.a": {"b": 1}}'}, "string, number or boolean"),
+    ],
+)
+def test_bad_spark_settings_name_the_variable(env: dict[str, str], names: str) -> None:
+    with pytest.raises(SettingsError, match=re.escape(names)):
+        Settings.from_env(env)
+
+
+def test_running_session_was_built_with_the_settings_and_says_what_it_cannot_change(
+    stack_env: dict[str, str],
+    spark_session: SparkSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    running = spark_session.sparkContext.getConf()
+    assert running.get("spark.driver.memory") == "2g"
+    assert running.get("spark.sql.catalog.lake") == "org.apache.iceberg.spark.SparkCatalog"
+    caplog.set_level(logging.WARNING, logger=spark.__name__)
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == spark.__name__]
+
+    # The same settings again: the running session is reused without a word.
+    assert spark.get_session(Settings.from_env(stack_env)) is spark_session
+    assert warnings() == []
+    # A core setting the running session cannot take is named, with the variable that set it.
+    env = {**stack_env, "BACKFILL_SPARK_EXECUTOR_MEMORY": "3g"}
+    assert spark.get_session(Settings.from_env(env)) is spark_session
+    messages = warnings()
+    assert len(messages) == 1, messages
+    assert "spark.executor.memory=(Spark default), not 3g" in messages[0]
+    assert "BACKFILL_SPARK_EXECUTOR_MEMORY" in messages[0]

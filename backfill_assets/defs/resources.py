@@ -24,16 +24,15 @@ class SparkResource(PySparkResource):
     """dagster-pyspark's session resource, configured from the settings module.
 
     ``spark_config`` holds only extra, non-secret overrides; the base configuration (master,
-    jars, Iceberg catalog) comes from :func:`backfill_assets.stack.spark.spark_config`.
+    jars, Iceberg catalog, ``BACKFILL_SPARK_*``) comes from
+    :func:`backfill_assets.stack.spark.spark_config`. Both go into the session builder, where
+    core settings (executor memory and cores) take effect.
     """
 
     spark_config: dict[str, Any] = Field(default_factory=dict)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
-        session = spark.get_session(Settings.from_env())
-        for key, value in self.spark_config.items():
-            session.conf.set(key, str(value))
-        self._spark_session = session
+        self._spark_session = spark.get_session(Settings.from_env(), self.spark_config)
 
 
 class KafkaResource(dg.ConfigurableResource):  # type: ignore[type-arg]

@@ -97,13 +97,15 @@ def publish(
         _moved(spark, branch, main_now, window)
     commit.commit()
     failpoint("branch_committed")
-    catalog_name, namespace_table = branch.table.split(".", 1)
+    catalog_name = branch.table.split(".", 1)[0]
     try:
+        # The table argument names its catalog: Iceberg resolves a bare 'namespace.table' by
+        # first trying the namespace as a catalog, which logs CATALOG_NOT_FOUND with a Java
+        # stack trace on every publish (issue 14).
         ref_sql(
             spark,
             branch.table,
-            f"CALL {catalog_name}.system.fast_forward"
-            f"('{namespace_table}', 'main', '{branch.name}')",
+            f"CALL {catalog_name}.system.fast_forward('{branch.table}', 'main', '{branch.name}')",
         )
     except Exception as exc:  # a Spark/Iceberg error: the catalog commit did not happen
         # Another run may have fast-forwarded main between the check above and this commit

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from backfill_assets.stack import catalog, jars
@@ -14,9 +15,13 @@ from backfill_assets.stack.settings import Settings
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+_log = logging.getLogger(__name__)
 
-def spark_config(settings: Settings) -> dict[str, str]:
-    """Every Spark setting the project needs; contains catalog secrets, never log it whole."""
+
+def spark_config(settings: Settings, extra: Mapping[str, object] | None = None) -> dict[str, str]:
+    """Every Spark setting the project needs, as given to the session builder; ``extra``
+    (the resource's ``spark_config``) comes last. Contains catalog secrets, never log it whole."""
+    local = settings.spark_master.startswith("local")
     conf = {
         "spark.master": settings.spark_master,
         "spark.app.name": "backfill_assets",
@@ -27,24 +32,28 @@ def spark_config(settings: Settings) -> dict[str, str]:
         "spark.sql.session.timeZone": "UTC",
         "spark.sql.shuffle.partitions": str(settings.spark_shuffle_partitions),
         "spark.driver.memory": settings.spark_driver_memory,
+        "spark.executor.memory": settings.spark_executor_memory or "",
+        "spark.executor.cores": (
+            str(settings.spark_executor_cores) if settings.spark_executor_cores else ""
+        ),
         "spark.sql.adaptive.enabled": "true",
         "spark.ui.showConsoleProgress": "false",
         # Local runs bind the UI and driver to loopback only.
-        "spark.driver.host": "127.0.0.1" if settings.spark_master.startswith("local") else "",
-        "spark.driver.bindAddress": (
-            "127.0.0.1" if settings.spark_master.startswith("local") else ""
-        ),
-        "spark.ui.enabled": "false" if settings.spark_master.startswith("local") else "true",
+        "spark.driver.host": "127.0.0.1" if local else "",
+        "spark.driver.bindAddress": "127.0.0.1" if local else "",
+        "spark.ui.enabled": "false" if local else "true",
         # Local Python workers must use this interpreter (pandas, pyarrow, pandera live here);
-        # a cluster's workers use their image's interpreter.
-        "spark.pyspark.python": sys.executable if settings.spark_master.startswith("local") else "",
-        "spark.pyspark.driver.python": (
-            sys.executable if settings.spark_master.startswith("local") else ""
-        ),
+        # a cluster's workers use their image's interpreter (infra/production/Dockerfile,
+        # target spark-worker).
+        "spark.pyspark.python": sys.executable if local else "",
+        "spark.pyspark.driver.python": sys.executable if local else "",
     }
     conf = {k: v for k, v in conf.items() if v != ""}
     conf.update(catalog.spark_properties(settings.catalog))
     conf.update(_archive_s3a(settings))
+    conf.update(settings.spark_extra_conf)
+    for key, value in (extra or {}).items():
+        conf[key] = str(value).lower() if isinstance(value, bool) else str(value)
     return conf
 
 
@@ -65,8 +74,20 @@ def _archive_s3a(settings: Settings) -> dict[str, str]:
     return conf
 
 
-def get_session(settings: Settings) -> SparkSession:
-    """The process's Spark session, created on first use (``getOrCreate``)."""
+# Settings whose value may be shown in a warning (no secrets), with the variable that sets them.
+_NAMED = {
+    "spark.master": "BACKFILL_SPARK_MASTER",
+    "spark.driver.memory": "BACKFILL_SPARK_DRIVER_MEMORY",
+    "spark.executor.memory": "BACKFILL_SPARK_EXECUTOR_MEMORY",
+    "spark.executor.cores": "BACKFILL_SPARK_EXECUTOR_CORES",
+}
+
+
+def get_session(settings: Settings, extra: Mapping[str, object] | None = None) -> SparkSession:
+    """The process's Spark session, built on first use with every setting of
+    :func:`spark_config` in the builder (core settings such as executor memory only take
+    effect there). A session that already runs is reused; any core setting it was built with
+    differently is logged as a warning naming the setting, since Spark cannot change it."""
     from pyspark.sql import SparkSession
 
     # py4j logs every call into the JVM with its arguments at DEBUG: the Kafka JAAS line and
@@ -76,9 +97,48 @@ def get_session(settings: Settings) -> SparkSession:
     if settings.spark_master.startswith("local"):
         # PySpark picks the worker interpreter from PYSPARK_PYTHON when the context starts.
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        # A local session binds to loopback anyway; without this the JVM first warns that the
+        # host name resolves to a loopback address and picks another interface.
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    conf = spark_config(settings, extra)
+    existing = _running_session()
+    if existing is not None:
+        _warn_fixed_settings(existing, conf)
     builder = SparkSession.builder
-    for key, value in spark_config(settings).items():
+    for key, value in conf.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("WARN")
     return session
+
+
+def _running_session() -> SparkSession | None:
+    from pyspark.sql import SparkSession
+
+    session = SparkSession._instantiatedSession
+    if session is None or session._sc._jsc is None:
+        return None
+    return session
+
+
+def _warn_fixed_settings(session: SparkSession, conf: Mapping[str, str]) -> None:
+    """Log, per core setting (fixed when the SparkContext started), that the running session
+    differs from what the settings ask for. SQL settings (``spark.sql.*``, ``spark.hadoop.*``)
+    are per session and applied by the builder, so they are not compared."""
+    running = dict(session.sparkContext.getConf().getAll())
+    for key, wanted in conf.items():
+        if key.startswith(("spark.sql.", "spark.hadoop.")) or key == "spark.app.name":
+            continue
+        have = running.get(key)
+        if have == wanted:
+            continue
+        if key in _NAMED:
+            detail = f"{key}={have or '(Spark default)'}, not {wanted} ({_NAMED[key]})"
+        else:
+            detail = f"{key} differs from the settings"
+        _log.warning(
+            "a Spark session already runs in this process and keeps its %s: core settings "
+            "only apply when the session is built; stop that session (or restart the "
+            "process) to apply them",
+            detail,
+        )
