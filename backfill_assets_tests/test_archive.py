@@ -143,7 +143,9 @@ def test_archive_delete_then_hybrid_backfill_matches(
     assert reference.success
     ref_rows, ref_checksum, _ = _main(spark_session, world)
     ref_meta = reference.get_asset_materialization_events()[0].materialization.metadata
-    ref_read = ref_meta["records_read"].value
+    ref_run = ref_meta["run"].value
+    assert isinstance(ref_run, dict)
+    ref_read = ref_run["records_read"]
 
     # Archive the topic (through the Dagster asset, as the schedule does).
     arch = dg.materialize([build_archive_asset(spec)], resources=RESOURCES, instance=world.instance)
@@ -202,7 +204,8 @@ def test_archive_delete_then_hybrid_backfill_matches(
     assert summary_after["backfill.run-id"] == hybrid.run_id
     assert json.loads(summary_after["backfill.archive-offsets"]) == plan.archive_offsets
     hybrid_meta = hybrid.get_asset_materialization_events()[0].materialization.metadata
-    assert hybrid_meta["records_read"].value == ref_read
+    hybrid_run = hybrid_meta["run"].value
+    assert isinstance(hybrid_run, dict) and hybrid_run["records_read"] == ref_read
     assert hybrid_meta["checksum"].value == ref_meta["checksum"].value
     ref_checks = {e.check_name: e for e in reference.get_asset_check_evaluations()}
     for e in hybrid.get_asset_check_evaluations():

@@ -12,15 +12,16 @@ HOURLY = dg.AssetKey(["lakehouse", "orders_hourly"])
 CURRENT = dg.AssetKey(["lakehouse", "orders_current"])
 LARGE = dg.AssetKey(["lakehouse", "orders_large_paid"])
 ARCHIVE = dg.AssetKey(["archive", "orders"])
+TOPIC = dg.AssetKey(["kafka", "orders"])
 
 
 def test_asset_keys_and_resources() -> None:
     repo = defs.get_repository_def()
     assert set(repo.get_top_level_resources()) >= {"kafka", "spark", "iceberg"}
     graph = defs.resolve_asset_graph()
-    assert set(graph.get_all_asset_keys()) == {RAW, HOURLY, CURRENT, LARGE, ARCHIVE}
+    assert set(graph.get_all_asset_keys()) == {TOPIC, RAW, HOURLY, CURRENT, LARGE, ARCHIVE}
     sensors = {s.name: s for s in defs.sensors or []}
-    assert set(sensors) == {"orders_offset_gaps", "orders_late_data"}
+    assert set(sensors) == {"orders_offset_gaps", "orders_late_data", "orders_observe_topic"}
     assert set(sensors["orders_offset_gaps"].asset_selection.resolve(graph)) == {  # type: ignore[union-attr]
         RAW,
         HOURLY,
@@ -28,7 +29,12 @@ def test_asset_keys_and_resources() -> None:
         LARGE,
     }
     schedules = {s.name: s for s in defs.schedules or []}
-    assert set(schedules) == {"orders_archive_hourly"}
+    assert set(schedules) == {
+        "orders_archive_hourly",
+        *(f"maintain_{t}_schedule" for t in ("raw_orders", "orders_quarantine", "bookkeeping")),
+        *(f"maintain_{t}_schedule" for t in ("orders_current", "orders_hourly")),
+        "maintain_orders_large_paid_schedule",
+    }
     assert schedules["orders_archive_hourly"].cron_schedule == "5 * * * *"  # type: ignore[union-attr]
 
 
@@ -53,13 +59,13 @@ def test_blocking_checks_users_rely_on() -> None:
     }
     assert checks == expected
     for key in defs.resolve_all_asset_keys():
-        for spec in defs.get_assets_def(key).check_specs:
+        for spec in defs.resolve_assets_def(key).check_specs:
             assert spec.blocking, f"{spec.key} must be blocking"
 
 
 def test_partitions_lateness_mapping_and_backfill_policy() -> None:
-    raw = defs.get_assets_def(RAW)
-    hourly = defs.get_assets_def(HOURLY)
+    raw = defs.resolve_assets_def(RAW)
+    hourly = defs.resolve_assets_def(HOURLY)
     assert isinstance(raw.partitions_def, dg.HourlyPartitionsDefinition)
     assert raw.partitions_def.timezone == "UTC"
     assert raw.backfill_policy == dg.BackfillPolicy.multi_run(max_partitions_per_run=168)
@@ -75,3 +81,54 @@ def test_partitions_lateness_mapping_and_backfill_policy() -> None:
     )
     assert sorted(upstream) == [f"2026-02-01-{h}:00" for h in range(10, 14)]
     assert hourly.partitions_def == raw.partitions_def
+
+
+def test_lineage_reads_topic_archive_raw_tables() -> None:
+    """The UI's asset graph: kafka/orders -> archive/orders -> raw/orders -> lakehouse/*."""
+    graph = defs.resolve_asset_graph()
+    topic = graph.get(TOPIC)
+    assert not topic.is_materializable, "a topic is observed, never materialized here"
+    assert topic.kinds == {"kafka"}
+    assert graph.get(ARCHIVE).parent_keys == {TOPIC}
+    assert graph.get(RAW).parent_keys == {TOPIC, ARCHIVE}
+    assert graph.get(CURRENT).parent_keys == {RAW}
+    assert graph.get(HOURLY).parent_keys == {RAW}
+    assert graph.get(TOPIC).child_keys == {ARCHIVE, RAW}
+
+
+def test_column_schemas_and_check_descriptions_come_from_the_spec() -> None:
+    from backfill_assets.defs.definitions import SPECS
+
+    spec = SPECS[0]
+    graph = defs.resolve_asset_graph()
+
+    def columns(key: dg.AssetKey) -> dict[str, str]:
+        schema = graph.get(key).metadata["dagster/column_schema"]
+        assert isinstance(schema, dg.TableSchema)
+        return {c.name: c.type for c in schema.columns}
+
+    raw = columns(RAW)
+    assert {c.name: c.type for c in spec.columns}.items() <= raw.items()
+    assert {
+        "kafka_partition": "int",
+        "kafka_offset": "bigint",
+        "ingest_run_id": "string",
+    }.items() <= raw.items()
+    hourly = next(t for t in spec.tables if t.name == "orders_hourly")
+    assert columns(HOURLY) == {c.name: c.type for c in hourly.columns}
+    current = columns(CURRENT)
+    assert spec.key_field in current and "deleted" in current
+    # Constraints of the spec's contract are shown with the column.
+    status = next(c for c in spec.columns if c.allowed)
+    schema = graph.get(RAW).metadata["dagster/column_schema"]
+    shown = next(c for c in schema.columns if c.name == status.name)
+    assert any(all(v in o for v in status.allowed or ()) for o in shown.constraints.other)
+    # Every check says what it asserts, specific to the asset kind.
+    for key in (RAW, HOURLY, CURRENT, LARGE):
+        for check in defs.resolve_assets_def(key).check_specs:
+            assert check.description, check.key
+    uniq = {
+        key: next(c for c in defs.resolve_assets_def(key).check_specs if c.name == "uniqueness")
+        for key in (RAW, HOURLY)
+    }
+    assert uniq[RAW].description != uniq[HOURLY].description

@@ -155,9 +155,43 @@ def test_backfill_matches_ground_truth_and_publishes(
         k: sum(world.truth.kafka_hours[h][k] for h in HOURS)
         for k in ("records", "duplicates", "malformed")
     }
-    assert meta["records_read"].value == totals["records"]
-    assert meta["resent_event_ids"].value == totals["duplicates"]
-    assert meta["quarantined"].value == totals["malformed"]
+    run = meta["run"].value
+    assert isinstance(run, dict)
+    assert run["records_read"] == totals["records"]
+    assert run["resent_event_ids"] == totals["duplicates"]
+    assert run["quarantined"] == totals["malformed"]
+    # Each partition carries its own hour's figures, never the run's totals.
+    own = {}
+    for m in mats:
+        assert m.partition is not None
+        start = datetime.strptime(str(m.partition), "%Y-%m-%d-%H:%M").replace(tzinfo=UTC)
+        truth = world.truth.kafka_hours[start.isoformat()]
+        own[m.partition] = (
+            m.metadata["records_read"].value,
+            m.metadata["dagster/partition_row_count"].value,
+            m.metadata["quarantined"].value,
+        )
+        assert own[m.partition] == (
+            truth["records"],
+            truth["valid"] + truth["tombstones"] + truth["duplicates"],
+            truth["malformed"],
+        ), m.partition
+        # The table's total rows on main after the publish.
+        assert m.metadata["dagster/row_count"].value == sum(written.values())
+    assert len(set(own.values())) > 1, "per-partition figures must differ between hours"
+    # The checks audit this run's materialization, not the one before it.
+    for evaluation in result.get_asset_check_evaluations():
+        target = evaluation.target_materialization_data
+        assert target is not None and target.run_id == result.run_id, evaluation.check_name
+    # The run observed its Kafka topic (the asset upstream of the raw table).
+    observed = [
+        e.asset_observation_data.asset_observation
+        for e in result.all_events
+        if e.event_type_value == "ASSET_OBSERVATION"
+    ]
+    topic = [o for o in observed if o.asset_key == dg.AssetKey(["kafka", world.spec.topic])]
+    assert topic and topic[0].metadata["partitions"].value == 6
+    assert topic[0].metadata["records_retained"].value == sum(world.truth.end_offsets().values())
     quarantined = spark_session.table(
         f"lake.{stack_settings.catalog.namespace}.{world.spec.quarantine_table}"
     ).count()
@@ -213,7 +247,7 @@ def test_failed_check_leaves_main_untouched(world: World, spark_session: SparkSe
     main_before = spark_session.sql(
         f"SELECT snapshot_id FROM {world.table}.refs WHERE name = 'main'"
     ).first()
-    strict = dataclasses.replace(world.spec, quarantine_max_ratio=0.0)
+    strict = world.spec.model_copy(update={"quarantine_max_ratio": 0.0})
     result = _backfill(world, strict)
     assert not result.success
     evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
@@ -233,7 +267,7 @@ def test_any_failure_is_audited(world: World, stack_settings: Settings) -> None:
     from backfill_assets.lake import audit
     from backfill_assets.stack import catalog
 
-    missing = dataclasses.replace(world.spec, topic=f"missing_{uuid.uuid4().hex[:6]}")
+    missing = world.spec.model_copy(update={"topic": f"missing_{uuid.uuid4().hex[:6]}"})
     result = _backfill(world, missing)
     assert not result.success
     rows = audit.query(
@@ -256,8 +290,10 @@ def test_throttled_replay_is_identical_and_slower(
     result = _backfill(world)
     assert result.success
     meta = result.get_asset_materialization_events()[0].materialization.metadata
-    records = meta["records_read"].value
+    run = meta["run"].value
+    assert isinstance(run, dict)
+    records = run["records_read"]
     assert isinstance(records, int) and records > 0
-    duration = meta["duration_s"].value
+    duration = run["duration_s"]
     assert isinstance(duration, float) and duration >= records / cap
     assert _main_checksum(spark_session, world) == before

@@ -257,7 +257,8 @@ def test_backfill_through_sasl_leaks_the_password_nowhere(
             ]
             records = sum(h["records"] for h in truth.kafka_hours.values())
             mats = result.get_asset_materialization_events()
-            assert mats[-1].materialization.metadata["records_read"].value == records
+            run = mats[-1].materialization.metadata["run"].value
+            assert isinstance(run, dict) and run["records_read"] == records
             events = [dg.serialize_value(e) for e in instance.all_logs(result.run_id)]
             run = instance.get_run_by_id(result.run_id)
             assert run is not None

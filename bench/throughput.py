@@ -213,7 +213,7 @@ def child(args: argparse.Namespace) -> None:
     jvm_pid = int(jvm.java.lang.ProcessHandle.current().pid())
     result = {
         "seconds": seconds,
-        "records": meta["records_read"],
+        "records": meta["run"]["records_read"],
         "python_kib": vm_hwm_kib(os.getpid()),
         "jvm_kib": vm_hwm_kib(jvm_pid),
         "jvm_old_gen_peak_mib": jvm_old_gen_peak_mib(session),
@@ -401,8 +401,8 @@ def throughput(args: argparse.Namespace, settings: Settings, topic: str, start: 
         use_namespace(f"bench_r{i}")
         seconds, meta = materialize(spec, start, end)
         asset.seconds.append(seconds)
-        asset.records = int(meta["records_read"])
-        replay_s.append(float(meta["duration_s"]))
+        asset.records = int(meta["run"]["records_read"])
+        replay_s.append(float(meta["run"]["duration_s"]))
         seconds, bare.records = bare_spark(spark, settings, contract, parquet)
         bare.seconds.append(seconds)
         parsed.seconds.append(spark_parse(spark, settings, spec, contract, parquet))

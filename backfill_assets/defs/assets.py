@@ -11,11 +11,13 @@ from typing import Any
 import dagster as dg
 from dagster import AssetExecutionContext
 
+from backfill_assets.defs import topics
 from backfill_assets.defs.partitions import kafka_hours
 from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
 from backfill_assets.lake import audit, checks, declared, derived, ledger, replay, wap
+from backfill_assets.lake.archiver import archive_asset_key
 from backfill_assets.lake.faults import failpoint
-from backfill_assets.lake.spec import TableSpec, TopicSpec
+from backfill_assets.lake.spec import CURRENT_META_COLUMNS, ColumnSpec, TableSpec, TopicSpec
 from backfill_assets.lake.windows import hours_between
 
 # One run covers up to a week of hourly partitions: a 30-day backfill starts 5 runs (5 Spark
@@ -45,11 +47,80 @@ def relation_asset_key(rel: declared.Relation) -> dg.AssetKey:
     return table_asset_key(rel.name)
 
 
-def _check_specs(key: dg.AssetKey, names: Sequence[str]) -> list[dg.AssetCheckSpec]:
+def _check_specs(
+    key: dg.AssetKey, names: Sequence[str], descriptions: dict[str, str]
+) -> list[dg.AssetCheckSpec]:
     return [
-        dg.AssetCheckSpec(name, asset=key, blocking=True, description=checks.DESCRIPTIONS.get(name))
+        dg.AssetCheckSpec(name, asset=key, blocking=True, description=descriptions[name])
         for name in names
     ]
+
+
+def _column(name: str, ctype: str, column: ColumnSpec | None = None) -> dg.TableColumn:
+    other = []
+    if column is not None:
+        if column.allowed is not None:
+            other.append(f"one of {', '.join(column.allowed)}")
+        if column.min is not None:
+            other.append(f">= {column.min:g}")
+        if column.max is not None:
+            other.append(f"<= {column.max:g}")
+    nullable = column.nullable if column is not None else True
+    return dg.TableColumn(
+        name,
+        ctype,
+        constraints=dg.TableColumnConstraints(nullable=nullable, other=other),
+    )
+
+
+def column_schema(columns: Sequence[dg.TableColumn]) -> dict[str, Any]:
+    """Definition metadata ``dagster/column_schema`` (the UI's Columns tab)."""
+    return {"dagster/column_schema": dg.TableSchema(columns=list(columns))}
+
+
+def raw_columns(spec: TopicSpec) -> list[dg.TableColumn]:
+    """The raw table's columns, in table order: Kafka positions, the topic's, the run id."""
+    return [
+        *(_column(n, t) for n, t in replay.KAFKA_COLUMNS),
+        *(_column(c.name, c.type, c) for c in spec.columns),
+        _column("ingest_run_id", "string"),
+    ]
+
+
+def current_columns(spec: TopicSpec) -> list[dg.TableColumn]:
+    key = spec.current.key if spec.current is not None else spec.key_field
+    return [
+        _column(key, "string"),
+        *(_column(c.name, c.type, c) for c in spec.columns if c.name != key),
+        *(_column(n, t) for n, t in CURRENT_META_COLUMNS),
+    ]
+
+
+def _partition_figures(
+    context: AssetExecutionContext, per_hour: dict[str, dict[str, int]], names: dict[str, str]
+) -> None:
+    """Give every partition of the run its own figures (never the run's totals), with its row
+    count under ``dagster/partition_row_count``. ``names`` maps a figure to its metadata key;
+    the one mapped to ``dagster/partition_row_count`` is the partition's rows. A partition
+    without figures had nothing in its hour: zero."""
+    measured = {f for figures in per_hour.values() for f in figures}
+    names = {
+        f: label
+        for f, label in names.items()
+        if f in measured or label == "dagster/partition_row_count"
+    }
+    partitions_def = context.assets_def.partitions_def
+    assert isinstance(partitions_def, dg.TimeWindowPartitionsDefinition)
+    for key in context.partition_keys:
+        start = partitions_def.time_window_for_partition_key(key).start
+        figures = per_hour.get(start.astimezone(UTC).isoformat(), {})
+        context.add_asset_metadata(
+            {label: int(figures.get(figure, 0)) for figure, label in names.items()},
+            partition_key=key,
+        )
+
+
+Published = tuple[int, int | None, list[dg.AssetCheckResult]]
 
 
 Rebase = Callable[[int], tuple[wap.Branch, list[checks.CheckOutcome]]]
@@ -67,15 +138,18 @@ def _audit_and_publish(
     rebase: Rebase,
     ledger_offsets: dict[datetime, dict[int, tuple[int, int]]] | None = None,
     ledger_records: dict[datetime, int] | None = None,
-) -> Generator[dg.AssetCheckResult, None, int]:
-    """Publish only if every check passed, else fail naming the figures; yield the results.
+) -> Generator[dg.AssetCheckResult, None, Published]:
+    """Publish only if every check passed, else yield the check results and fail, naming the
+    figures. On success nothing is yielded: the caller attaches the returned check results to
+    the materialization they audited (``MaterializeResult(check_results=...)``).
 
     When main moved under the run through publishes of disjoint windows, ``rebase(attempt)``
     re-applies the run's rows on a new branch from main and re-runs the checks, up to
     ``BACKFILL_PUBLISH_ATTEMPTS`` times; an overlapping publish is refused, naming its run.
     Every outcome is appended to the audit table; a publish also to the ledger (its hours and
     offsets), after the fast-forward (the snapshot summary holds the same, for
-    :func:`backfill_assets.lake.ledger.sync_from_history`). Returns main's new snapshot id.
+    :func:`backfill_assets.lake.ledger.sync_from_history`). Returns main's new snapshot id, the
+    table's total rows in it (if Iceberg's summary says) and the check results.
     """
     window = context.partition_time_window
     tags = dict(context.run.tags)
@@ -120,14 +194,21 @@ def _audit_and_publish(
         except wap.PublishError as exc:
             error = exc
             break
-    for result in results:
-        yield dg.AssetCheckResult(
+    evaluations = [
+        dg.AssetCheckResult(
             check_name=result.name,
             passed=result.passed,
             description=result.summary,
-            metadata=_meta(result.metadata),
+            metadata={**_meta(result.metadata), "audited_branch": branch.name},
         )
+        for result in results
+    ]
     failed = [r for r in results if not r.passed]
+    if failed or error is not None or snapshot is None:
+        # Nothing is published, so there is no materialization to attach them to: Dagster
+        # records them against the partition's latest materialization, the data readers
+        # still see (the run's own rows stay on the named branch).
+        yield from evaluations
     if failed:
         detail = "; ".join(f"{r.name}: {r.summary}" for r in failed)
         _record(iceberg, "check_failed", "failed", record, detail=detail)
@@ -149,6 +230,7 @@ def _audit_and_publish(
     namespace = iceberg.settings.catalog.namespace
     ident = table.split(".", 1)[1]
     seq = cat.load_table(ident).metadata.snapshot_by_id(snapshot)
+    total = seq.summary.additional_properties.get("total-records") if seq and seq.summary else None
     ledger.record_publish(
         cat,
         namespace,
@@ -169,7 +251,7 @@ def _audit_and_publish(
             context.log.warning(f"recorded unaudited publishes of runs {late} on {table}")
     except Exception as exc:  # main is published; a gap in the audit must not fail the run
         context.log.warning(f"could not check {table}'s history for unaudited publishes: {exc}")
-    return snapshot
+    return snapshot, int(total) if total is not None else None, evaluations
 
 
 def _record(
@@ -238,8 +320,14 @@ def build_raw_asset(spec: TopicSpec) -> dg.AssetsDefinition:
         group_name="raw",
         kinds={"kafka", "spark", "iceberg"},
         pool=POOL,
-        check_specs=_check_specs(key, checks.CHECK_NAMES),
-        metadata={"table": spec.raw_table, "quarantine_table": spec.quarantine_table},
+        # Read from Kafka, or from the archive for offsets Kafka no longer holds.
+        deps=[topics.topic_asset_key(spec), archive_asset_key(spec)],
+        check_specs=_check_specs(key, checks.CHECK_NAMES, checks.DESCRIPTIONS),
+        metadata={
+            "table": spec.raw_table,
+            "quarantine_table": spec.quarantine_table,
+            **column_schema(raw_columns(spec)),
+        },
     )
     def _raw(
         context: AssetExecutionContext,
@@ -266,6 +354,7 @@ def _replay_raw(
     session = spark.spark_session
     table = iceberg.spark_name(spec.raw_table)
     context.log.info(f"replaying {spec.topic} {_span(window.start, window.end)} into {table}")
+    context.log_event(topics.observation(kafka, spec))
     outcome = replay.replay_to_branch(
         session,
         settings=kafka.settings,
@@ -288,7 +377,7 @@ def _replay_raw(
         outcome.branch = replay.reapply(session, outcome, attempt)
         return outcome.branch, checks.run_checks(session, spec, outcome)
 
-    snapshot = yield from _audit_and_publish(
+    snapshot, total_rows, evaluations = yield from _audit_and_publish(
         context,
         iceberg,
         session,
@@ -308,28 +397,51 @@ def _replay_raw(
         },
     )
     rate = outcome.records_read / outcome.duration_s if outcome.duration_s else 0.0
+    _partition_figures(
+        context,
+        outcome.per_hour,
+        {
+            "read": "records_read",
+            "written": "dagster/partition_row_count",
+            "quarantined": "quarantined",
+        },
+    )
+    # Numbers shared by every partition of the run are run totals: one JSON value (the UI
+    # does not plot it per partition); the plotted numbers are each partition's own.
     yield dg.MaterializeResult(
         metadata={
-            "records_read": outcome.records_read,
-            "rows_written": outcome.rows_written,
-            "quarantined": outcome.quarantined,
-            "resent_event_ids": outcome.resent,
-            "conflicting_event_ids": outcome.conflicting_ids,
+            "run": dg.MetadataValue.json(
+                {
+                    "partitions": len(context.partition_keys),
+                    "records_read": outcome.records_read,
+                    "rows_written": outcome.rows_written,
+                    "quarantined": outcome.quarantined,
+                    "resent_event_ids": outcome.resent,
+                    "conflicting_event_ids": outcome.conflicting_ids,
+                    "bytes_read": outcome.bytes_read,
+                    "bytes_written": outcome.bytes_written,
+                    "files_written": outcome.files_written,
+                    "drain_rate_records_per_s": round(rate, 1),
+                    "duration_s": round(outcome.duration_s, 2),
+                }
+            ),
             "per_hour": dg.MetadataValue.json(outcome.per_hour),
             "offsets": dg.MetadataValue.json(
                 {str(p): list(r) for p, r in outcome.contract.ranges.items()}
             ),
             "checksum": outcome.checksum,
-            "bytes_read": outcome.bytes_read,
-            "bytes_written": outcome.bytes_written,
-            "files_written": outcome.files_written,
-            "drain_rate_records_per_s": round(rate, 1),
-            "duration_s": round(outcome.duration_s, 2),
             "snapshot_id": str(snapshot),
             "main_snapshot_before": str(outcome.branch.main_before),
             "branch": outcome.branch.name,
-        }
+            **_table_rows(total_rows),
+        },
+        check_results=evaluations,
     )
+
+
+def _table_rows(total: int | None) -> dict[str, Any]:
+    """``dagster/row_count``: the whole table's rows on main after this publish."""
+    return {"dagster/row_count": total} if total is not None else {}
 
 
 def table_deps(table: TableSpec, known: dict[str, declared.Relation]) -> list[dg.AssetDep]:
@@ -364,12 +476,13 @@ def build_declared_asset(
         kinds={"spark", "iceberg"},
         pool=POOL,
         deps=table_deps(table, known),
-        check_specs=_check_specs(key, derived.declared_checks(table)),
+        check_specs=_check_specs(key, derived.declared_checks(table), derived.DESCRIPTIONS),
         metadata={
             "table": table.name,
             "partitioned_by": f"event time ({table.event_time})",
             "grain": ", ".join(table.grain),
             "sql": dg.MetadataValue.md(f"```sql\n{table.sql.strip()}\n```"),
+            **column_schema([_column(c.name, c.type, c) for c in table.columns]),
         },
     )
     def _declared(
@@ -404,8 +517,12 @@ def build_current_asset(spec: TopicSpec) -> dg.AssetsDefinition:
         kinds={"spark", "iceberg"},
         pool=POOL,
         deps=[raw_asset_key(spec)],
-        check_specs=_check_specs(key, derived.CURRENT_CHECKS),
-        metadata={"table": derived.current_table(spec), "partitioned_by": "Kafka time"},
+        check_specs=_check_specs(key, derived.CURRENT_CHECKS, derived.DESCRIPTIONS),
+        metadata={
+            "table": derived.current_table(spec),
+            "partitioned_by": "Kafka time",
+            **column_schema(current_columns(spec)),
+        },
     )
     def _current(
         context: AssetExecutionContext, spark: SparkResource, iceberg: IcebergResource
@@ -469,7 +586,7 @@ def _derive_body(
         "run-id": context.run.run_id,
         "window": f"{window.start.isoformat()}/{window.end.isoformat()}",
     }
-    snapshot = yield from _audit_and_publish(
+    snapshot, total_rows, evaluations = yield from _audit_and_publish(
         context,
         iceberg,
         session,
@@ -480,7 +597,19 @@ def _derive_body(
         {"started_at": started},
         rebase,
     )
-    yield dg.MaterializeResult(metadata={**_meta(outcome.metadata), "snapshot_id": str(snapshot)})
+    _partition_figures(
+        context,
+        outcome.per_hour,
+        {"rows": "dagster/partition_row_count", "raw_records": "raw_records"},
+    )
+    yield dg.MaterializeResult(
+        metadata={
+            "run": dg.MetadataValue.json(outcome.metadata),
+            "snapshot_id": str(snapshot),
+            **_table_rows(total_rows),
+        },
+        check_results=evaluations,
+    )
 
 
 def build_topic_assets(

@@ -12,8 +12,10 @@ from collections.abc import Sequence
 import dagster as dg
 
 from backfill_assets.defs.assets import build_topic_assets
+from backfill_assets.defs.maintenance import build_maintenance_defs
 from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
 from backfill_assets.defs.sensors import build_gap_sensor, build_late_data_sensor
+from backfill_assets.defs.topics import build_topic_observer, topic_asset
 from backfill_assets.lake.archiver import build_archive_asset, build_archive_schedule
 from backfill_assets.lake.spec import TopicSpec, load_specs
 
@@ -27,17 +29,24 @@ RESOURCES: dict[str, object] = {
 def build_defs(specs: Sequence[TopicSpec]) -> dg.Definitions:
     """Assets, checks, sensors and schedules for ``specs``, with the default resources."""
     specs = list(specs)
-    assets = [asset for spec in specs for asset in build_topic_assets(spec, specs)]
+    assets: list[dg.AssetsDefinition | dg.AssetSpec] = [topic_asset(spec) for spec in specs]
     assets += [build_archive_asset(spec) for spec in specs]
+    assets += [asset for spec in specs for asset in build_topic_assets(spec, specs)]
     sensors = [
         sensor
         for spec in specs
-        for sensor in (build_gap_sensor(spec, specs), build_late_data_sensor(spec, specs))
+        for sensor in (
+            build_topic_observer(spec),
+            build_gap_sensor(spec, specs),
+            build_late_data_sensor(spec, specs),
+        )
     ]
+    maintenance_jobs, maintenance_schedules = build_maintenance_defs(specs)
     return dg.Definitions(
         assets=assets,
         sensors=sensors,
-        schedules=[build_archive_schedule(spec) for spec in specs],
+        schedules=[build_archive_schedule(spec) for spec in specs] + maintenance_schedules,
+        jobs=maintenance_jobs,
         resources=RESOURCES,
     )
 

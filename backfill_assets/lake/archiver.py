@@ -14,12 +14,14 @@ hidden.
 """
 
 import json
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 import dagster as dg
 
 from backfill_assets.defs.resources import IcebergResource, KafkaResource
+from backfill_assets.defs.topics import topic_asset_key
 from backfill_assets.lake import audit
 from backfill_assets.lake.archive import Archive, PartitionRun
 from backfill_assets.lake.spec import TopicSpec
@@ -41,12 +43,14 @@ def run_archiver(
     *,
     run_id: str | None = None,
     launched_by: str | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list[PartitionRun], dict[str, Any]]:
-    """Archive ``spec.topic`` now; returns per-partition runs and a JSON-able summary."""
+    """Archive ``spec.topic`` now; returns per-partition runs and a JSON-able summary.
+    ``on_progress(partitions done, partitions)`` is called after each partition."""
     settings = kafka.settings
     store = Archive(settings)
     started = datetime.now(UTC)
-    runs = store.archive_topic(kafka, spec.topic)
+    runs = store.archive_topic(kafka, spec.topic, on_progress=on_progress)
     summary: dict[str, Any] = {
         "archive_uri": settings.archive_uri,
         "records": sum(r.records for r in runs),
@@ -121,6 +125,7 @@ def build_archive_asset(spec: TopicSpec) -> dg.AssetsDefinition:
         group_name="archive",
         kinds={"kafka", "parquet"},
         pool="archive",
+        deps=[topic_asset_key(spec)],
     )
     def _archive(
         context: dg.AssetExecutionContext, kafka: KafkaResource, iceberg: IcebergResource

@@ -283,8 +283,8 @@ def _retention_risks(
     now: datetime,
     horizon: timedelta,
 ) -> list[dict[str, Any]]:
-    retention_ms = _retention_ms(kafka, topic)
-    if retention_ms is None or retention_ms < 0:
+    kept_ms = retention_ms(kafka, topic)
+    if kept_ms is None or kept_ms < 0:
         return []
     from backfill_assets.lake.archive import Archive
 
@@ -293,7 +293,7 @@ def _retention_risks(
     for hour, ranges in sorted(in_kafka.items()):
         if hour in raw_pub:
             continue
-        leaves_at = hour + HOUR + timedelta(milliseconds=retention_ms)
+        leaves_at = hour + HOUR + timedelta(milliseconds=kept_ms)
         if leaves_at - now <= horizon:
             out.append(
                 {
@@ -308,7 +308,8 @@ def _retention_risks(
     return out
 
 
-def _retention_ms(kafka: KafkaResource, topic: str) -> int | None:
+def retention_ms(kafka: KafkaResource, topic: str) -> int | None:
+    """The topic's ``retention.ms`` (negative: unlimited), None if the broker does not say."""
     from confluent_kafka.admin import ConfigResource, ResourceType  # type: ignore[attr-defined]
 
     admin = kafka.admin()
