@@ -105,7 +105,7 @@ def iceberg_catalog(stack_settings: Settings) -> Catalog:
 def dagster_services(stack_settings: Settings, stack_env: dict[str, str]) -> Iterator[str]:
     """A real Dagster webserver and daemon on this session's instance; yields the base URL.
 
-    Both load workspace.yaml exactly as `dagster dev` does; runs they launch are subprocesses
+    Both load workspace.yaml exactly as `dg dev` does; runs they launch are subprocesses
     that inherit the session's BACKFILL_* environment (so they reach the session's broker).
     """
     home = Path(stack_env["BACKFILL_HOME"]) / "dagster-home"

@@ -23,7 +23,7 @@ def test_webserver_listens_on_loopback_only(dagster_services: str) -> None:
 def test_demo_and_settings_default_to_loopback() -> None:
     assert Settings.from_env({}).webserver_host == "127.0.0.1"
     demo = (REPO_ROOT / "scripts" / "demo.sh").read_text()
-    commands = re.findall(r"^exec .*dagster dev .*$", demo, re.M)
+    commands = re.findall(r"^[^#\n]*\.venv/bin/dg dev .*$", demo, re.M)
     assert len(commands) == 1, commands
     host = re.search(r"\s(?:-h|--host)[ =](\S+)", commands[0])
     assert host is not None and host[1] == "127.0.0.1", commands[0]

@@ -149,7 +149,7 @@ class DagsterClient:
         except (urllib.error.URLError, TimeoutError) as exc:
             raise LaunchError(
                 f"cannot reach the Dagster webserver at {self.url} ({exc}); start it with "
-                "`bash scripts/demo.sh` or `dagster dev -w workspace.yaml`, or set "
+                "`bash scripts/demo.sh` or `.venv/bin/dg dev -w workspace.yaml`, or set "
                 "BACKFILL_WEBSERVER_HOST / BACKFILL_WEBSERVER_PORT"
             ) from exc
         if payload.get("errors"):
