@@ -24,6 +24,7 @@ from backfill_assets.lake.wap import ref_snapshot_id
 from backfill_assets.stack.settings import REPO_ROOT, Settings
 
 if TYPE_CHECKING:
+    from pyiceberg.catalog import Catalog
     from pyspark.sql import SparkSession
 
 START = datetime(2026, 6, 1, tzinfo=UTC)
@@ -140,6 +141,10 @@ def _materialize(instance: dg.DagsterInstance, first: str, last: str) -> str:
     return result.run_id
 
 
+def _snapshots(cat: Catalog, *tables: str) -> list[int | None]:
+    return [cat.load_table(f"lakehouse.{t}").metadata.current_snapshot_id for t in tables]
+
+
 def _graphql(url: str, query: str) -> dict[str, Any]:
     req = urllib.request.Request(
         f"{url}/graphql",
@@ -157,9 +162,10 @@ def test_backfill_audit_and_rollback(
     dagster_services: str,
     instance: dg.DagsterInstance,
     spark_session: SparkSession,
+    iceberg_catalog: Catalog,
 ) -> None:
     # A first publish of two hours: the state a rollback must return to.
-    _materialize(instance, "2026-06-01-01:00", "2026-06-01-02:00")
+    first_run = _materialize(instance, "2026-06-01-01:00", "2026-06-01-02:00")
     before = _raw_state(spark_session)
 
     out = _cli(
@@ -209,9 +215,46 @@ def test_backfill_audit_and_rollback(
     assert later_run in refused.stderr and "--force" in refused.stderr
     assert _cli(cli_env, "rollback", "--run", later_run).returncode == 0
 
+    # A dry run names every table, main's snapshot now and after, and per hour the run whose
+    # rows come back (none for hours nothing published before the backfill); it writes nothing.
+    current = _raw_state(spark_session)
+    bookkeeping = _snapshots(iceberg_catalog, "backfill_audit", "backfill_ledger")
+    dry = _cli(cli_env, "rollback", "--backfill", ids[0], "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    plan = json.loads(dry.stdout)
+    assert plan["dry_run"] is True and plan["rollback_of"] == f"backfill {ids[0]}"
+    tables = {t["table_name"]: t for t in plan["tables"]}
+    assert set(tables) == published
+    raw = tables["lake.lakehouse.raw_orders"]
+    assert (raw["snapshot_before"], raw["restored_snapshot"]) == (current[0], before[0])
+    assert {p["hour"]: p["restored_run"] for p in raw["partitions"]} == {
+        HOURS[0]: first_run,
+        HOURS[1]: first_run,
+        HOURS[2]: None,
+        HOURS[3]: None,
+    }
+    assert _raw_state(spark_session) == current
+    assert _snapshots(iceberg_catalog, "backfill_audit", "backfill_ledger") == bookkeeping
+
     done = _cli(cli_env, "rollback", "--backfill", ids[0])
     assert done.returncode == 0, done.stderr
     assert _raw_state(spark_session) == before, "exact pre-backfill snapshot and checksum"
+    # Dagster shows what was undone: hours 1-2 hold the first run's rows again (their latest
+    # materialization names the rollback and that run), hours 3-4 none (an observation says so).
+    raw_key = dg.AssetKey(["raw", "orders"])
+    mats = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=raw_key, asset_partitions=["2026-06-01-01:00"]), limit=1
+    ).records
+    assert mats[0].asset_materialization is not None
+    meta = {k: v.value for k, v in mats[0].asset_materialization.metadata.items()}
+    assert meta["rollback_of"] == f"backfill {ids[0]}" and meta["restored_run"] == first_run
+    assert meta["restored_snapshot"] == before[0]
+    obs = instance.fetch_observations(
+        dg.AssetRecordsFilter(asset_key=raw_key, asset_partitions=["2026-06-01-04:00"]), limit=1
+    ).records
+    assert obs[0].asset_observation is not None
+    assert obs[0].asset_observation.metadata["undone_backfill"].value == ids[0]
+    assert "Dagster (" in done.stdout
     events = [
         r["event"]
         for r in json.loads(_cli(cli_env, "audit", "--backfill", ids[0], "--json").stdout)

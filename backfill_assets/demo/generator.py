@@ -767,18 +767,21 @@ def build_ground_truth(
 
 
 def generate(
-    settings: Settings, config: GeneratorConfig, manifest_path: Path | None = None
+    settings: Settings,
+    config: GeneratorConfig,
+    manifest_path: Path | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> GroundTruth:
     """Create ``config.topic`` if needed (it must be empty), produce the plan, return the truth.
 
     The manifest, if ``manifest_path`` is given, is written only after every record was
-    acknowledged.
+    acknowledged. ``on_progress(records handed to the producer, total)`` is called as it goes.
     """
     plan = plan_events(config)
     admin_conf: dict[str, str | int | float | bool] = dict(settings.kafka.client_config())
     admin = AdminClient(admin_conf)
     next_offsets = _prepare_topic(settings, admin, config)
-    offsets = _produce(settings, config.topic, plan)
+    offsets = _produce(settings, config.topic, plan, on_progress)
     first_offsets = _first_offsets(config, plan, offsets, next_offsets)
     truth = build_ground_truth(config, plan, first_offsets)
     if manifest_path is not None:
@@ -929,7 +932,12 @@ def _transient(exc: KafkaException) -> bool:
     return err is not None and (err.retriable() or err.code() in _TRANSIENT_CODES)
 
 
-def _produce(settings: Settings, topic: str, plan: Sequence[PlannedRecord]) -> list[int | None]:
+def _produce(
+    settings: Settings,
+    topic: str,
+    plan: Sequence[PlannedRecord],
+    on_progress: Callable[[int, int], None] | None = None,
+) -> list[int | None]:
     """Produce every record in plan order; return the offset of each one."""
     conf: dict[str, Any] = {
         **settings.kafka.client_config(),
@@ -971,7 +979,11 @@ def _produce(settings: Settings, topic: str, plan: Sequence[PlannedRecord]) -> l
             except BufferError:
                 producer.poll(0.1)
         producer.poll(0)
+        if on_progress is not None and index % 1000 == 999:
+            on_progress(index + 1, len(plan))
     remaining = producer.flush(max(60.0, len(plan) / 500))
+    if on_progress is not None:
+        on_progress(len(plan), len(plan))
     if remaining:
         raise GeneratorError(
             f"{remaining} of {len(plan)} records to topic {topic!r} were not acknowledged in "

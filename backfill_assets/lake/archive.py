@@ -41,7 +41,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -331,17 +331,24 @@ class Archive:
 
     # -- writing ------------------------------------------------------------------------
     def archive_topic(
-        self, kafka: KafkaResource, topic: str, *, partitions: list[int] | None = None
+        self,
+        kafka: KafkaResource,
+        topic: str,
+        *,
+        partitions: list[int] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> list[PartitionRun]:
         """Archive every partition of ``topic`` from where its archive ends to the last stable
         offset (LSO) seen at the start, and re-archive its legacy files that Kafka still holds.
 
         Offsets Kafka deleted before they were archived are reported as ``lost`` (they cannot
         be recovered from Kafka any more); offsets an open transaction holds back (between the
-        LSO and the high watermark) as ``waiting_for_transaction``."""
+        LSO and the high watermark) as ``waiting_for_transaction``. ``on_progress(partitions
+        done, partitions)`` is called after each partition."""
         bounds = log_bounds(kafka, topic)
-        runs = []
-        for p in sorted(partitions if partitions is not None else bounds):
+        runs: list[PartitionRun] = []
+        todo = sorted(partitions if partitions is not None else bounds)
+        for p in todo:
             low, lso, high = bounds[p]
             resume = self.archived_end(topic, p)
             start = low if resume is None else resume
@@ -357,6 +364,8 @@ class Archive:
             if lso > start:
                 self._archive_range(kafka, topic, run)
             runs.append(run)
+            if on_progress is not None:
+                on_progress(len(runs), len(todo))
         return runs
 
     def _rearchive_legacy(
