@@ -45,6 +45,7 @@ def test_every_command_is_there() -> None:
         "generate",
         "jars",
         "kafka",
+        "maintain",
         "materialize",
         "plan",
         "rollback",
@@ -313,3 +314,39 @@ def test_a_dry_run_reads_publishes_the_ledger_lacks_from_history(tmp_path: Path)
     assert [(e.run_id, e.hour) for e in found] == [("r1", H1), ("r1", H2)]
     assert {e.snapshot_id for e in found} == {table.metadata.current_snapshot_id}
     assert not cat.table_exists("ns.backfill_ledger"), "a dry run writes nothing"
+
+
+def test_maintain_refuses_an_unknown_table_naming_the_tables(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = _run(capsys, "maintain", "--table", "orders_hourlyy")
+    assert code == 2
+    assert err.startswith("error: unknown table(s) 'orders_hourlyy'")
+    assert "orders_hourly" in err and "bookkeeping" in err and "Traceback" not in err
+
+
+def test_maintain_runs_an_audited_pass(
+    stack_settings: Settings,
+    iceberg_catalog: Catalog,
+    spark_session: object,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A real pass over the audit table (Spark procedures included), reported as JSON and
+    recorded in the audit table itself."""
+    from backfill_assets.lake import audit
+
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    ns = stack_settings.catalog.namespace
+    audit.append(
+        iceberg_catalog, ns, audit.AuditRecord(event="archive", table_name="t", outcome="succeeded")
+    )
+    code, out, _ = _run(capsys, "maintain", "--table", audit.AUDIT_TABLE, "--json")
+    assert code == 0, out
+    doc = json.loads(out)
+    assert doc["failed"] == []
+    report = doc["tables"][audit.AUDIT_TABLE]
+    assert report["ok"] is True and report["snapshots_before"] >= 1
+    assert set(report["steps"]) >= {"drop_branches", "compact", "expire_snapshots"}
+    rows = [r for r in audit.query(iceberg_catalog, ns) if r["event"] == "maintenance"]
+    assert rows and rows[0]["launched_by"].startswith("cli:")

@@ -587,6 +587,75 @@ def archive_command(ui: Ui, settings: Settings, topic: str, status: bool) -> int
     return 0
 
 
+# -- maintenance -------------------------------------------------------------------------------
+
+
+@cli.command(
+    "maintain",
+    short_help="Drop failed runs' branches, compact, expire snapshots, remove orphan files.",
+)
+@click.option(
+    "--table",
+    "tables",
+    multiple=True,
+    help="a table of the spec, or 'bookkeeping' (repeatable; default: every table)",
+)
+@_with_ui
+def maintain_command(ui: Ui, settings: Settings, tables: tuple[str, ...]) -> int:
+    """One maintenance pass per table, as the scheduled maintain_* jobs run it (retentions:
+    BACKFILL_MAINTENANCE_*; infra/README.md). Each pass is appended to the audit table.
+    Exits 1 if a step failed (the others still ran)."""
+    from backfill_assets.defs.maintenance import maintenance_targets
+    from backfill_assets.lake import maintenance
+    from backfill_assets.stack import spark as spark_mod
+
+    targets = maintenance_targets(list(_specs().values()))
+    known = {name: target for target in targets for name in (target.name, *target.tables)}
+    unknown = [t for t in tables if t not in known]
+    if unknown:
+        raise BackfillError(
+            f"unknown table(s) {', '.join(map(repr, unknown))}; maintainable: "
+            + ", ".join(sorted(known))
+        )
+    chosen = [known[t] for t in dict.fromkeys(tables)] if tables else targets
+    names = list(dict.fromkeys(table for target in chosen for table in target.tables))
+    cat = catalog.load(settings.catalog)
+    instance = dg.DagsterInstance.get() if os.environ.get("DAGSTER_HOME") else None
+
+    def run_active(run_id: str) -> bool | None:
+        run = instance.get_run_by_id(run_id) if instance is not None else None
+        return None if run is None else not run.is_finished
+
+    session = spark_mod.get_session(settings)
+    reports: dict[str, Any] = {}
+    failures: list[str] = []
+    with ui.progress("maintaining", len(names), "tables") as update:
+        for done, table in enumerate(names):
+            if not cat.table_exists(f"{settings.catalog.namespace}.{table}"):
+                ui.line(f"{table}: does not exist yet; nothing to maintain")
+                reports[table] = None
+                continue
+            try:
+                report = maintenance.maintain(
+                    session,
+                    settings,
+                    table,
+                    run_active=run_active,
+                    progress=ui.note if not ui.json else None,
+                    launched_by=f"cli:{getpass.getuser()}",
+                )
+            except maintenance.MaintenanceError as exc:
+                failures.append(str(exc))
+                ui.note(f"error: {exc}")
+                continue
+            finally:
+                update(done + 1, None)
+            reports[table] = report.as_dict()
+            ui.line(report.summary())
+    ui.emit({"tables": reports, "failed": failures})
+    return 1 if failures else 0
+
+
 # -- plan, backfill ----------------------------------------------------------------------------
 
 
