@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pytest
 import yaml
 
 from backfill_assets.demo.generator import GeneratorConfig, generate
@@ -66,6 +67,9 @@ def _spec_for(topic: str, directory: Path) -> Path:
     return path
 
 
+# Three Spark runs in a subprocess (~90 s): in the slow tier, which CI runs, so the default tier
+# stays under its 20-minute budget.
+@pytest.mark.slow
 def test_successful_materialize_prints_no_stack_trace(
     stack_settings: Settings,
     stack_env: dict[str, str],
