@@ -594,12 +594,12 @@ def replay_to_branch(
         )
     else:
         source = read_contract(spark, settings, contract)
-    raw = cache(attribute(spark, source, contract))
+    raw = attribute(spark, source, contract)
+    # One cache: the parse (on local disk). Rows and quarantine are filters of it; the first
+    # action (the figures' aggregation) fills it, the two writes read it back.
+    rows, quarantine, parsed = parse(spec, raw, run_id)
     try:
-        rows, quarantine, parsed = parse(spec, raw, run_id)
-        rows = cache(rows)
-        quarantine = cache(quarantine)
-        figures = _figures(spec, rows, quarantine)
+        figures = _figures(spec, parsed)
         props = audit_summary(contract, run_id)
         qwriter = quarantine.writeTo(qtable)
         for key, value in props.items():
@@ -614,12 +614,9 @@ def replay_to_branch(
         written = branch_write_stats(spark, branch)
         faults.after_branch_write(spark, branch.ident, qtable, contract)
     finally:
-        raw.unpersist()
+        parsed.unpersist()
         for chunk in chunks:
             chunk.unpersist()
-    rows.unpersist()
-    quarantine.unpersist()
-    parsed.unpersist()  # last: unpersisting it first would re-plan the caches built on it
     kafka_side = contract.windows.hour_figures()
     per_hour = {}
     for hour, k in kafka_side.items():
@@ -649,24 +646,38 @@ def replay_to_branch(
     )
 
 
-def _figures(spec: TopicSpec, rows: DataFrame, quarantine: DataFrame) -> dict[str, Any]:
-    """What the run wrote, per hour, plus repeated event ids: three small aggregations. Hours
-    are collected as epoch millis, never as datetimes (PySpark would convert those with the
-    machine's local zone)."""
+def _figures(spec: TopicSpec, parsed: DataFrame) -> dict[str, Any]:
+    """What the run writes, per hour and per quarantine reason, and the rows' content checksum:
+    one aggregation over the cached parse; plus repeated event ids (a second, grouped by id).
+    Hours are collected as epoch millis, never as datetimes (PySpark would convert those with
+    the machine's local zone)."""
     from pyspark.sql import functions as F
 
-    hour_ms = F.unix_millis(F.col("kafka_hour")).alias("h")
+    cols = ["kafka_partition", "kafka_offset", "is_tombstone", *[c.name for c in spec.columns]]
+    groups = (
+        parsed.groupBy(F.unix_millis(F.col("kafka_hour")).alias("h"), F.col("_reason"))
+        .agg(
+            F.count("*").alias("n"),
+            F.sum(F.xxhash64(*[F.col(c) for c in cols]).cast("decimal(38,0)")).alias("hashes"),
+        )
+        .collect()
+    )
     per_hour: dict[str, dict[str, int]] = {}
-    total: dict[str, int] = {"written": 0, "quarantined": 0}
-    for kind, frame in (("written", rows), ("quarantined", quarantine)):
-        for r in frame.groupBy(hour_ms).agg(F.count("*").alias("n")).collect():
-            key = _hour_key(r["h"])
-            per_hour.setdefault(key, {})[kind] = int(r["n"])
-            total[kind] += int(r["n"])
-    checksum = rows.agg(checksum_expr(spec)).first()[0]  # type: ignore[index]
+    reasons: dict[str, int] = {}
+    total = {"written": 0, "quarantined": 0}
+    checksum = 0  # the same sum as checksum_expr over the rows, added up per hour
+    for r in groups:
+        kind = "written" if r["_reason"] is None else "quarantined"
+        figures = per_hour.setdefault(_hour_key(r["h"]), {})
+        figures[kind] = figures.get(kind, 0) + int(r["n"])
+        total[kind] += int(r["n"])
+        if r["_reason"] is None:
+            checksum += int(r["hashes"] or 0)
+        else:
+            reasons[r["_reason"]] = reasons.get(r["_reason"], 0) + int(r["n"])
     content = F.xxhash64(*[F.col(c.name) for c in spec.columns])
     ids = (
-        rows.where(~F.col("is_tombstone"))
+        parsed.where(F.col("_reason").isNull() & ~F.col("is_tombstone"))
         .groupBy(spec.event_id_field)
         .agg(F.count("*").alias("n"), F.count_distinct(content).alias("versions"))
         .where(F.col("n") > 1)
@@ -679,10 +690,6 @@ def _figures(spec: TopicSpec, rows: DataFrame, quarantine: DataFrame) -> dict[st
         .first()
     )
     assert ids is not None
-    reasons = {
-        r["reason"]: int(r["n"])
-        for r in quarantine.groupBy("reason").agg(F.count("*").alias("n")).collect()
-    }
     return {
         "rows": total["written"],
         "quarantined": total["quarantined"],
