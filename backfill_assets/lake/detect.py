@@ -13,9 +13,9 @@ compaction holes only shift offsets inside an hour's range, so they never create
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from itertools import pairwise
 from typing import Any
 
 from pyiceberg.catalog import Catalog
@@ -60,6 +60,15 @@ def published(catalog: Catalog, identifier: str) -> list[Publish]:
     return sorted(out, key=lambda p: p.committed_ms, reverse=True)
 
 
+def _publish(entry: ledger.Entry) -> Publish:
+    return Publish(entry.hour, entry.hour + HOUR, entry.run_id, entry.committed_ms)
+
+
+def _windows(entries: dict[datetime, ledger.Entry]) -> dict[datetime, dict[int, tuple[int, int]]]:
+    """The published offsets of each covered hour of a raw table (hours without: none)."""
+    return {h: dict(e.offsets) for h, e in entries.items() if e.offsets is not None}
+
+
 def covered_hours(publishes: list[Publish]) -> dict[datetime, Publish]:
     """Hour -> the newest publish on main that covers it."""
     out: dict[datetime, Publish] = {}
@@ -72,40 +81,70 @@ def covered_hours(publishes: list[Publish]) -> dict[datetime, Publish]:
 
 
 def hours_with_records(
-    kafka: KafkaResource, topic: str, first: datetime, last: datetime
+    kafka: KafkaResource,
+    topic: str,
+    first: datetime,
+    last: datetime,
+    known: dict[datetime, dict[int, tuple[int, int]]] | None = None,
 ) -> dict[datetime, dict[int, tuple[int, int]]]:
-    """Kafka-time hours in ``[first, last)`` that hold records, with their offsets."""
+    """Kafka-time hours in ``[first, last)`` that hold records, with their offsets.
+
+    An hour in ``known`` (the ledger's published windows of the topic's raw table) takes its
+    offsets from there; only the other hours' bounds are asked of Kafka (ListOffsets by
+    timestamp, one request per bound), so a tick costs what is unpublished, not what the
+    history holds."""
     hours = []
     hour = first
-    while hour <= last:
+    while hour < last:
         hours.append(hour)
         hour += HOUR
-    bounds = kafka.offsets_for_many(topic, [int(h.timestamp() * 1000) for h in hours])
+    known = known or {}
+    probe = sorted({b for h in hours if h not in known for b in (h, h + HOUR)})
+    bounds = kafka.offsets_for_many(topic, [_ms(b) for b in probe]) if probe else {}
     out: dict[datetime, dict[int, tuple[int, int]]] = {}
-    for start, end in pairwise(hours):
-        lo, hi = bounds[int(start.timestamp() * 1000)], bounds[int(end.timestamp() * 1000)]
-        ranges = {p: (lo[p], hi[p]) for p in lo}
+    for start in hours:
+        if start in known:
+            ranges = dict(known[start])
+        else:
+            lo, hi = bounds[_ms(start)], bounds[_ms(start + HOUR)]
+            ranges = {p: (lo[p], hi[p]) for p in lo}
         if any(e > s for s, e in ranges.values()):
             out[start] = ranges
     return out
+
+
+def _ms(moment: datetime) -> int:
+    return int(moment.timestamp() * 1000)
 
 
 def record_hours(
     kafka: KafkaResource, topic: str, floor: datetime
 ) -> tuple[datetime, datetime] | None:
     """The hours of the oldest and the newest record still in Kafka (oldest not before
-    ``floor``), read from the first and last record of each partition; None if empty."""
+    ``floor``), read from the first and last record of each partition; None if empty.
+
+    All partitions are assigned at once, first at their log start, then at their last offset,
+    so a tick makes two fetch rounds whatever the partition count (one poll per partition
+    waited up to half a second each: 12 s for 12 partitions, bench/sensors.py)."""
     from confluent_kafka import TopicPartition
 
     consumer = kafka.offsets_consumer()
     stamps: list[int] = []
     try:
-        for p, (low, high) in kafka.watermarks(topic).items():
-            for offset in {low, high - 1} if high > low else set():
-                consumer.assign([TopicPartition(topic, p, offset)])
-                msg = consumer.poll(kafka.request_timeout_s)
-                if msg is not None and msg.error() is None:
-                    stamps.append(msg.timestamp()[1])
+        marks = {p: (lo, hi) for p, (lo, hi) in kafka.watermarks(topic).items() if hi > lo}
+        for pick in (0, 1):
+            want = {p: (lo if pick == 0 else hi - 1) for p, (lo, hi) in marks.items()}
+            if not want:
+                break
+            consumer.assign([TopicPartition(topic, p, o) for p, o in want.items()])
+            deadline = time.monotonic() + kafka.request_timeout_s
+            while want and time.monotonic() < deadline:
+                for msg in consumer.consume(num_messages=len(want), timeout=0.5):
+                    p = msg.partition()
+                    if msg.error() is None and p in want:
+                        stamps.append(msg.timestamp()[1])
+                        del want[p]
+            consumer.unassign()
     finally:
         consumer.close()
     if not stamps:
@@ -135,8 +174,13 @@ def find(
         return findings
     # Hours after the newest record hold nothing (its hour's end is the last bound needed);
     # records newer than the last closed hour wait until their hour closes.
-    in_kafka = hours_with_records(kafka, spec.topic, span[0], min(last_closed, span[1] + HOUR))
-    raw_pub = covered_hours(published(catalog, f"{namespace}.{spec.raw_table}"))
+    raw_entries = ledger.coverage(
+        catalog, namespace, f"{catalog.name}.{namespace}.{spec.raw_table}"
+    )
+    in_kafka = hours_with_records(
+        kafka, spec.topic, span[0], min(last_closed, span[1] + HOUR), _windows(raw_entries)
+    )
+    raw_pub = {h: _publish(e) for h, e in raw_entries.items()}
     cur_pub = covered_hours(published(catalog, f"{namespace}.{spec.current_table}"))
     findings.raw_gaps = sorted(h for h in in_kafka if h not in raw_pub)
     findings.current_gaps = sorted(h for h in in_kafka if h not in cur_pub)
@@ -148,8 +192,15 @@ def find(
     def expected(topic: str) -> dict[datetime, dict[int, tuple[int, int]]]:
         if topic not in kafka_hours:
             other = record_hours(kafka, topic, spec.partition_start)
+            raw = f"{catalog.name}.{namespace}.raw_{topic}"
             kafka_hours[topic] = (
-                hours_with_records(kafka, topic, other[0], min(last_closed, other[1] + HOUR))
+                hours_with_records(
+                    kafka,
+                    topic,
+                    other[0],
+                    min(last_closed, other[1] + HOUR),
+                    _windows(ledger.coverage(catalog, namespace, raw)),
+                )
                 if other
                 else {}
             )
