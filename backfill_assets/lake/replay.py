@@ -180,6 +180,9 @@ class ReplayOutcome:
     # differ (corrections). Both stay rows; derived tables apply the duplicates rule.
     resent: int = 0
     conflicting_ids: int = 0
+    # Per Kafka hour (ISO, UTC): the event-time hours (ISO, UTC) of its table rows with their
+    # counts (tombstones excluded). The ledger keeps it so the late-data sensor never reads rows.
+    event_hours: dict[str, dict[str, int]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -643,6 +646,7 @@ def replay_to_branch(
         duration_s=time.monotonic() - began,
         resent=figures["resent"],
         conflicting_ids=figures["conflicting_ids"],
+        event_hours=figures["event_hours"],
     )
 
 
@@ -654,8 +658,14 @@ def _figures(spec: TopicSpec, parsed: DataFrame) -> dict[str, Any]:
     from pyspark.sql import functions as F
 
     cols = ["kafka_partition", "kafka_offset", "is_tombstone", *[c.name for c in spec.columns]]
+    event_hour = F.when(
+        F.col("_reason").isNull() & ~F.col("is_tombstone"),
+        F.unix_millis(F.date_trunc("hour", F.col(spec.event_time_field))),
+    )
     groups = (
-        parsed.groupBy(F.unix_millis(F.col("kafka_hour")).alias("h"), F.col("_reason"))
+        parsed.groupBy(
+            F.unix_millis(F.col("kafka_hour")).alias("h"), F.col("_reason"), event_hour.alias("e")
+        )
         .agg(
             F.count("*").alias("n"),
             F.sum(F.xxhash64(*[F.col(c) for c in cols]).cast("decimal(38,0)")).alias("hashes"),
@@ -665,9 +675,13 @@ def _figures(spec: TopicSpec, parsed: DataFrame) -> dict[str, Any]:
     per_hour: dict[str, dict[str, int]] = {}
     reasons: dict[str, int] = {}
     total = {"written": 0, "quarantined": 0}
+    event_hours: dict[str, dict[str, int]] = {}
     checksum = 0  # the same sum as checksum_expr over the rows, added up per hour
     for r in groups:
         kind = "written" if r["_reason"] is None else "quarantined"
+        if r["e"] is not None and r["h"] is not None:
+            late = event_hours.setdefault(_hour_key(r["h"]), {})
+            late[_hour_key(r["e"])] = late.get(_hour_key(r["e"]), 0) + int(r["n"])
         figures = per_hour.setdefault(_hour_key(r["h"]), {})
         figures[kind] = figures.get(kind, 0) + int(r["n"])
         total[kind] += int(r["n"])
@@ -698,6 +712,7 @@ def _figures(spec: TopicSpec, parsed: DataFrame) -> dict[str, Any]:
         "resent": int(ids["resent"]),
         "conflicting_ids": int(ids["conflicting"]),
         "reasons": reasons,
+        "event_hours": event_hours,
     }
 
 
