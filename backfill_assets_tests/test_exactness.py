@@ -455,6 +455,17 @@ def _corrupt_bytes(spark: SparkSession, branch: str, _q: str, _c: Any) -> None:
     )
 
 
+def _break_the_contract(spark: SparkSession, branch: str, _q: str, _c: Any) -> None:
+    """A value the topic's contract does not allow (the parse would have quarantined it)."""
+    row = _one_row(spark, branch, HOURS[1]).where("NOT is_tombstone").first()
+    assert row is not None
+    spark.sql(
+        f"UPDATE {branch} SET currency = 'XXX' "
+        f"WHERE kafka_partition = {row['kafka_partition']} "
+        f"AND kafka_offset = {row['kafka_offset']}"
+    )
+
+
 def _extra_aborted(world: World) -> Mutation:
     """What a read_uncommitted source would add: an aborted record of hour 1, as a row."""
     from pyspark.sql import functions as F
@@ -494,6 +505,7 @@ MUTATIONS: dict[str, tuple[Callable[[World], Mutation], set[str]]] = {
         {"count_reconciliation", "checksum", "uniqueness"},
     ),
     "corrupted bytes": (lambda w: _corrupt_bytes, {"checksum"}),
+    "value outside the contract": (lambda w: _break_the_contract, {"schema_contract"}),
 }
 
 

@@ -4,7 +4,6 @@ a partition added mid-history, an open transaction, a compacted topic)."""
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import time
@@ -50,11 +49,13 @@ from backfill_assets.demo.hostile import (
 )
 from backfill_assets.errors import GeneratorError
 from backfill_assets.lake.spec import load_specs
+from backfill_assets.lake.windows import record_hash as windows_record_hash
 from backfill_assets.stack.settings import Settings
 
 START = datetime(2026, 1, 1, tzinfo=UTC)
-# record_hash(0, 5, b"k", b"v"), worked out by hand from the documented formula
-HASH_K_V = 0xD837BF4A8C54D9E
+# record_hash(0, 5, b"k", b"v") as Spark computes it: SELECT xxhash64(0, 5L, X'6B', X'76',
+# false, false) (the Spark side of the checksum check, lake/replay.py::record_hash_expr)
+HASH_K_V = 508117354465523008
 
 
 def at(hour: int, minute: int = 0, second: int = 0) -> datetime:
@@ -178,10 +179,11 @@ def test_windows_reject_bad_hours() -> None:
 
 
 def test_hour_figures_and_record_hash() -> None:
-    text = f"0:5:{hashlib.sha256(b'k').hexdigest()}:{hashlib.sha256(b'v').hexdigest()}:0"
-    assert record_hash(0, 5, b"k", b"v") == int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
     assert record_hash(0, 5, b"k", b"v") == HASH_K_V
+    assert record_hash(0, 5, b"k", b"v") == windows_record_hash(0, 5, b"k", b"v")
+    # NULL and empty differ, and so do a key and a value with the same bytes.
     assert record_hash(0, 5, b"k", None) != record_hash(0, 5, b"k", b"")
+    assert record_hash(3, 9, None, b"v") != record_hash(3, 9, b"v", None)
     truth = skewed_truth()
     figures = hour_figures(truth, HOURS)
     assert figures[at(11)] == HourFigures(

@@ -297,3 +297,27 @@ def test_throttled_replay_is_identical_and_slower(
     duration = run["duration_s"]
     assert isinstance(duration, float) and duration >= records / cap
     assert _main_checksum(spark_session, world) == before
+
+
+def test_each_record_is_parsed_once(spark_session: SparkSession) -> None:
+    """The parse's plan holds one JSON parse per record: the quarantine reason and the typed
+    columns read the parsed value, they do not re-parse it (a plan that inlines the stages parses
+    the JSON once per field and per rule, tens of times)."""
+    from backfill_assets.lake import replay
+
+    spec = next(s for s in SPECS if s.topic == "orders")
+    hour = datetime(2026, 7, 1, tzinfo=UTC)
+    values = [b'{"event_id": "e"}', b"not json", None, b"[1]", b'{"a": 1} {"b": 2}']
+    source = spark_session.createDataFrame(
+        [("orders", 0, i, hour, hour, i, b"k", v) for i, v in enumerate(values)],
+        "topic string, partition int, offset long, timestamp timestamp, kafka_hour timestamp, "
+        "record_hash long, key binary, value binary",
+    )
+    rows, quarantine, parsed = replay.parse(spec, source, "run")
+    try:
+        assert (parsed.count(), rows.count(), quarantine.count()) == (5, 1, 4)
+        for frame in (parsed, rows, quarantine):
+            plan = frame._jdf.queryExecution().executedPlan().toString()
+            assert plan.count("parseJson") == 1, plan
+    finally:
+        parsed.unpersist()

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets.lake.replay import ReplayOutcome, cache, window_filter
+from backfill_assets.lake.replay import ReplayOutcome, hour_key, window_filter
 from backfill_assets.lake.spec import ColumnSpec, TopicSpec
 
 if TYPE_CHECKING:
@@ -46,6 +45,10 @@ DESCRIPTIONS = {
 }
 
 
+_ARROW_BATCH = "spark.sql.execution.arrow.maxRecordsPerBatch"
+CONTRACT_BATCH_ROWS = 100_000  # rows per pandera call in the contract check
+
+
 @dataclass
 class CheckOutcome:
     name: str
@@ -55,63 +58,140 @@ class CheckOutcome:
 
 
 def run_checks(spark: SparkSession, spec: TopicSpec, outcome: ReplayOutcome) -> list[CheckOutcome]:
-    """All blocking checks on the run's branch; none of them writes anything."""
+    """All blocking checks on the run's branch; none of them writes anything.
 
-    branch = cache(spark.table(outcome.branch.ident).where(window_filter(outcome.contract)))
+    The branch and the quarantine rows are read back from the table (only the columns each
+    figure needs): one aggregation gives every per-hour figure of the checks and the run's own
+    figures, which are set on ``outcome`` (what the metadata reports is what was written); one
+    grouping by event id counts repeated ids; pandera validates the rows.
+    """
+    from pyspark.sql import functions as F
+
+    branch = spark.table(outcome.branch.ident).where(window_filter(outcome.contract))
     # The quarantine table is written on main (it is evidence, kept when a run fails), one
     # atomic overwrite of the run's hours. An overlapping run may have overwritten some of
     # those hours since: with the same windows its rows are the same records, so they are
     # counted whichever run wrote them (filtering on this run's id made an overlapping run
     # fail its count check instead of being refused at publish).
     quarantine = spark.table(outcome.quarantine_table).where(window_filter(outcome.contract))
-    try:
-        table_side = _table_figures(branch, quarantine)
-        return [
-            _count_reconciliation(table_side, outcome),
-            _checksum(table_side, outcome),
-            _schema_contract(branch, spec),
-            _uniqueness(table_side),
-            _quarantine_ratio(spec, outcome),
-        ]
-    finally:
-        branch.unpersist()
+    table_side = _table_figures(branch, quarantine, spec)
+    _set_figures(outcome, table_side)
+    content = F.xxhash64(*[F.col(c.name) for c in spec.columns])
+    ids = (
+        branch.where(~F.col("is_tombstone"))
+        .groupBy(spec.event_id_field)
+        .agg(F.count("*").alias("n"), F.count_distinct(content).alias("versions"))
+        .where(F.col("n") > 1)
+        .agg(
+            F.coalesce(F.sum(F.col("n") - 1), F.lit(0)).alias("resent"),
+            F.coalesce(F.sum(F.when(F.col("versions") > 1, 1).otherwise(0)), F.lit(0)).alias(
+                "conflicting"
+            ),
+        )
+        .first()
+    )
+    assert ids is not None
+    outcome.resent, outcome.conflicting_ids = int(ids["resent"]), int(ids["conflicting"])
+    return [
+        _count_reconciliation(table_side, outcome),
+        _checksum(table_side, outcome),
+        _schema_contract(branch, spec),
+        _uniqueness(table_side),
+        _quarantine_ratio(spec, outcome),
+    ]
 
 
-def _table_figures(branch: DataFrame, quarantine: DataFrame) -> dict[str, Any]:
-    """Per hour: rows, quarantined, hash sums; and repeated offsets. One action: rows and
-    quarantine are grouped by (partition, offset), then by hour, counting the offsets seen
-    more than once on the way (copies of an offset in different hours count under the
-    earliest: uniqueness fails then, and so does the count of some hour). Hours are collected
-    as epoch millis (never as datetimes, which PySpark would convert with the local zone)."""
+def _table_figures(branch: DataFrame, quarantine: DataFrame, spec: TopicSpec) -> dict[str, Any]:
+    """Per hour: rows, quarantined, hash sums of Kafka bytes and of parsed content, rows per
+    event-time hour, quarantined per reason; and repeated offsets. One action: rows and
+    quarantine are grouped by (partition, offset), then by (hour, reason, event hour),
+    counting the offsets seen more than once on the way (copies of an offset in different
+    hours count under the earliest: uniqueness fails then, and so does the count of some
+    hour). Hours are collected as epoch millis (see :func:`replay.hour_key`)."""
     from pyspark.sql import functions as F
 
-    cols = ["kafka_hour", "kafka_partition", "kafka_offset", "record_hash"]
-    both = branch.select(*cols, F.lit(1).alias("is_row")).unionByName(
-        quarantine.select(*cols, F.lit(0).alias("is_row"))
+    cols = ["kafka_partition", "kafka_offset", "record_hash"]
+    content_cols = ["kafka_partition", "kafka_offset", "is_tombstone"]
+    content_cols += [c.name for c in spec.columns]
+    event_hour = F.when(
+        ~F.col("is_tombstone"), F.unix_millis(F.date_trunc("hour", F.col(spec.event_time_field)))
+    )
+    both = branch.select(
+        F.unix_millis("kafka_hour").alias("h"),
+        *cols,
+        F.lit(1).alias("is_row"),
+        F.xxhash64(*[F.col(c) for c in content_cols]).cast("decimal(38,0)").alias("content"),
+        F.lit(None).cast("string").alias("reason"),
+        event_hour.alias("e"),
+    ).unionByName(
+        quarantine.select(
+            F.unix_millis("kafka_hour").alias("h"),
+            *cols,
+            F.lit(0).alias("is_row"),
+            F.lit(None).cast("decimal(38,0)").alias("content"),
+            F.col("reason"),
+            F.lit(None).cast("bigint").alias("e"),
+        )
     )
     per_offset = both.groupBy("kafka_partition", "kafka_offset").agg(
-        F.min(F.unix_millis("kafka_hour")).alias("h"),
+        F.min("h").alias("h"),
         F.count("*").alias("n"),
         F.sum("is_row").alias("rows"),
         F.sum(F.col("record_hash").cast("decimal(38,0)")).alias("hash_sum"),
+        F.sum("content").alias("content"),
+        F.min("reason").alias("reason"),
+        F.min("e").alias("e"),
     )
-    rows = per_offset.groupBy("h").agg(
+    groups = per_offset.groupBy("h", "reason", "e").agg(
         F.sum("rows").alias("rows"),
         F.sum(F.col("n") - F.col("rows")).alias("quarantined"),
         F.sum("hash_sum").alias("hash_sum"),
+        F.sum("content").alias("content"),
         F.sum(F.col("n") - 1).alias("repeated"),
     )
     per_hour: dict[str, dict[str, int]] = {}
-    repeated = 0
-    for r in rows.collect():
-        hour = datetime.fromtimestamp(r["h"] / 1000, UTC).isoformat()
-        per_hour[hour] = {
-            "rows": int(r["rows"]),
-            "quarantined": int(r["quarantined"]),
-            "hash_sum": int(r["hash_sum"] or 0),
-        }
+    reasons: dict[str, int] = {}
+    event_hours: dict[str, dict[str, int]] = {}
+    repeated = content = 0
+    for r in groups.collect():
+        hour = hour_key(r["h"])
+        figures = per_hour.setdefault(hour, {"rows": 0, "quarantined": 0, "hash_sum": 0})
+        figures["rows"] += int(r["rows"])
+        figures["quarantined"] += int(r["quarantined"])
+        figures["hash_sum"] += int(r["hash_sum"] or 0)
+        content += int(r["content"] or 0)
         repeated += int(r["repeated"])
-    return {"per_hour": per_hour, "repeated_offsets": repeated}
+        if r["reason"] is not None:
+            reasons[r["reason"]] = reasons.get(r["reason"], 0) + int(r["quarantined"])
+        if r["e"] is not None:
+            late = event_hours.setdefault(hour, {})
+            late[hour_key(r["e"])] = late.get(hour_key(r["e"]), 0) + int(r["rows"])
+    return {
+        "per_hour": per_hour,
+        "repeated_offsets": repeated,
+        "reasons": reasons,
+        "event_hours": event_hours,
+        "content_checksum": str(content),
+    }
+
+
+def _set_figures(outcome: ReplayOutcome, table_side: dict[str, Any]) -> None:
+    """The run's figures, as measured on its branch and quarantine rows."""
+    assert outcome.contract.windows is not None
+    mine = table_side["per_hour"]
+    outcome.per_hour = {
+        hour: {
+            "read": k["records"],
+            "written": mine.get(hour, {}).get("rows", 0),
+            "quarantined": mine.get(hour, {}).get("quarantined", 0),
+        }
+        for hour, k in outcome.contract.windows.hour_figures().items()
+    }
+    outcome.rows_written = sum(f["rows"] for f in mine.values())
+    outcome.quarantined = sum(f["quarantined"] for f in mine.values())
+    outcome.quarantine_reasons = table_side["reasons"]
+    outcome.event_hours = table_side["event_hours"]
+    outcome.checksum = table_side["content_checksum"]
 
 
 def _count_reconciliation(table_side: dict[str, Any], outcome: ReplayOutcome) -> CheckOutcome:
@@ -244,7 +324,18 @@ def schema_contract(events: DataFrame, columns: tuple[ColumnSpec, ...]) -> Check
             yield pd.DataFrame(failures or [("", "", 0)], columns=["column", "check", "failures"])
 
     result = events.mapInPandas(validate, "column string, check string, failures long")
-    rows = result.groupBy("column", "check").agg(F.sum("failures").alias("n")).collect()
+    conf = events.sparkSession.conf
+    before = conf.get(_ARROW_BATCH, None)
+    # pandera has a fixed cost per call: hand it fewer, larger chunks (Spark's default is
+    # 10,000 rows), for this job only.
+    conf.set(_ARROW_BATCH, str(CONTRACT_BATCH_ROWS))
+    try:
+        rows = result.groupBy("column", "check").agg(F.sum("failures").alias("n")).collect()
+    finally:
+        if before is None:
+            conf.unset(_ARROW_BATCH)
+        else:
+            conf.set(_ARROW_BATCH, before)
     failed = {f"{r['column']}: {r['check']}": int(r["n"]) for r in rows if r["n"]}
     return CheckOutcome(
         "schema_contract",
@@ -279,9 +370,17 @@ def contract_schema(columns: tuple[ColumnSpec, ...]) -> pa.DataFrameSchema:
                 pa.Check(lambda s: s.dtype.kind == "M", element_wise=False, name="is_datetime")
             )
         if c.type == "string":
-            # pandas may hand strings over as object or as its str dtype: check the values.
-            checks.append(pa.Check(lambda v: isinstance(v, str), element_wise=True, name="is_str"))
+            # pandas may hand strings over as object or as its str dtype: check the values,
+            # vectorized (an element-wise Python check cost more than the rest of pandera).
+            checks.append(pa.Check(_all_strings, element_wise=False, name="is_str"))
         nullable_int = c.nullable and c.type in ("bigint", "int")
         dtype = None if c.type in ("timestamp", "string") or nullable_int else dtypes[c.type]
         cols[c.name] = pa.Column(dtype, checks=checks, nullable=c.nullable, coerce=False)
     return pa.DataFrameSchema(cols, strict=True)
+
+
+def _all_strings(values: pd.Series) -> bool:
+    """Every non-null value is a ``str`` (pandas' own inference, in C)."""
+    import pandas as pd
+
+    return pd.api.types.infer_dtype(values, skipna=True) in ("string", "empty")

@@ -160,22 +160,27 @@ class OffsetContract:
 
 @dataclass
 class ReplayOutcome:
-    """What one replay wrote, with the figures the checks and the UI need."""
+    """What one replay wrote, with the figures the checks and the UI need.
+
+    The figures from ``rows_written`` on describe the run's branch and quarantine rows as
+    written: :func:`backfill_assets.lake.checks.run_checks` measures them when it audits the
+    branch (one aggregation for checks and figures) and sets them here."""
 
     contract: OffsetContract
     branch: Branch
     run_id: str
     records_read: int  # committed records in the windows, counted by librdkafka
-    rows_written: int
-    quarantined: int
-    checksum: str  # order-independent checksum of the rows' parsed content
-    per_hour: dict[str, dict[str, int]]
     quarantine_table: str
-    quarantine_reasons: dict[str, int]
     bytes_read: int
     bytes_written: int
     files_written: int
     duration_s: float
+    rows_written: int = 0
+    quarantined: int = 0
+    checksum: str = "0"  # order-independent checksum of the rows' parsed content
+    # Per Kafka hour (ISO, UTC): read (librdkafka), written and quarantined.
+    per_hour: dict[str, dict[str, int]] = field(default_factory=dict)
+    quarantine_reasons: dict[str, int] = field(default_factory=dict)
     # Event ids seen more than once in the window: identical re-sends, and ids whose copies
     # differ (corrections). Both stay rows; derived tables apply the duplicates rule.
     resent: int = 0
@@ -372,6 +377,12 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
     ``raw`` is the Kafka source's frame after :func:`attribute`. Nothing is deduplicated. The
     rule for every kind of bad input, first match wins, is in :data:`QUARANTINE_RULES`; a
     tombstone (NULL value) is a row.
+
+    The projection is built in stages, each a column the next one reads (the JSON is parsed
+    once, each field looked up once per version, the reason reads the typed columns):
+    Spark keeps a stage whose columns are read more than once instead of inlining it, and the
+    disk cache at the end keeps the filters on ``_reason`` from being pushed below the stages
+    with every expression inlined (``test_raw_asset`` asserts the JSON is parsed once).
     """
     from pyspark.sql import functions as F
 
@@ -381,10 +392,6 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
     # Spark's JSON parser stops after the first value, so '{...} junk' or '{...}{...}' would
     # parse as the first object and silently lose the rest. Parsed as the first element of an
     # array closed by a sentinel, only a record holding exactly one JSON value parses whole.
-    wrapped = F.try_parse_json(F.concat(F.lit("["), value_str, F.lit(f',"{_END}"]')))
-    whole = (F.try_variant_get(wrapped, "$[1]", "string") == F.lit(_END)) & F.try_variant_get(
-        wrapped, "$[2]", "variant"
-    ).isNull()
     df = raw.select(
         F.col("topic"),
         F.col("partition").alias("kafka_partition"),
@@ -395,32 +402,62 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
         F.col("key").alias("kafka_key"),
         F.col("value").alias("kafka_value"),
         F.col("value").isNull().alias("is_tombstone"),
-        F.when(whole, F.try_variant_get(wrapped, "$[0]", "variant")).alias("_v"),
+        F.try_parse_json(F.concat(F.lit("["), value_str, F.lit(f',"{_END}"]'))).alias("_w"),
     )
+    kafka_cols = [c for c in df.columns if c != "_w"]
+    w = F.col("_w")
+    whole = (F.try_variant_get(w, "$[1]", "string") == F.lit(_END)) & F.try_variant_get(
+        w, "$[2]", "variant"
+    ).isNull()
+    df = df.select(*kafka_cols, F.when(whole, F.try_variant_get(w, "$[0]", "variant")).alias("_v"))
     v = F.col("_v")
     if spec.version_field is None:  # no version field: every record is the latest version
-        df = df.withColumn("schema_version", F.lit(spec.latest_version).cast("int"))
+        version_expr = F.lit(spec.latest_version).cast("int")
     else:
-        df = df.withColumn("schema_version", json_field(v, f"$.{spec.version_field}", "int"))
-    version = F.col("schema_version")  # computed once, not inlined into every column
+        version_expr = json_field(v, f"$.{spec.version_field}", "int")
+    df = df.select(
+        *kafka_cols,
+        "_v",
+        version_expr.alias("schema_version"),
+        F.try_variant_get(v, "$", "struct<_:variant>").isNotNull().alias("_object"),
+    )
+    version = F.col("schema_version")
     versions = spec.versions
     upcast = {ver: spec.upcaster(ver)(v) for ver in versions}
+    typed: list[Column] = []
     for col in spec.columns:
-        expr: Column | None = None
-        for ver in versions:
-            branch = upcast[ver].get(col.name, F.lit(None))
-            expr = (
-                F.when(version == ver, branch)
-                if expr is None
-                else expr.when(version == ver, branch)
-            )
-        assert expr is not None
-        df = df.withColumn(col.name, expr.cast(_SPARK_TYPES[col.type]))
+        branches = [upcast[ver].get(col.name, F.lit(None)) for ver in versions]
+        if len({str(b) for b in branches}) == 1:
+            # Every version reads the column the same way: no per-version dispatch (a record
+            # of an unknown version is quarantined before its columns matter).
+            expr = branches[0]
+        else:
+            case: Column | None = None
+            for ver, branch in zip(versions, branches, strict=True):
+                case = (
+                    F.when(version == ver, branch)
+                    if case is None
+                    else case.when(version == ver, branch)
+                )
+            assert case is not None
+            expr = case
+        typed.append(expr.cast(_SPARK_TYPES[col.type]).alias(col.name))
+    col_names = [c.name for c in spec.columns]
+    df = df.select(*kafka_cols, "_v", "schema_version", "_object", *typed)
     # The key stands in for a key field the payload lacks (tombstones), if it is UTF-8 text.
     key_str = F.col("kafka_key").cast("string")
     absent = F.try_variant_get(v, f"$.{spec.key_field}", "variant").isNull()
     key_text = F.when(absent & F.is_valid_utf8(key_str), key_str)
-    df = df.withColumn(spec.key_field, F.coalesce(F.col(spec.key_field), key_text))
+    df = df.select(
+        *kafka_cols,
+        F.col("_v").isNull().alias("_invalid_json"),
+        "schema_version",
+        "_object",
+        *[
+            F.coalesce(F.col(name), key_text).alias(name) if name == spec.key_field else name
+            for name in col_names
+        ],
+    )
     size = F.coalesce(F.length("kafka_key"), F.lit(0)) + F.coalesce(
         F.length("kafka_value"), F.lit(0)
     )
@@ -436,9 +473,8 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
     reason = reason.when(
         ~F.is_valid_utf8(F.col("kafka_value").cast("string")), F.lit("invalid_utf8")
     )
-    reason = reason.when(v.isNull(), F.lit("invalid_json"))
-    is_object = F.try_variant_get(v, "$", "struct<_:variant>").isNotNull()
-    reason = reason.when(~is_object, F.lit("not_json_object"))
+    reason = reason.when(F.col("_invalid_json"), F.lit("invalid_json"))
+    reason = reason.when(~F.col("_object"), F.lit("not_json_object"))
     reason = reason.when(
         version.isNull() | ~version.isin(versions),
         F.concat(F.lit("unknown_schema_version:"), F.coalesce(version.cast("string"), F.lit("?"))),
@@ -456,11 +492,19 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
         if col.type == "timestamp":
             lo, hi = (F.to_timestamp(F.lit(t)) for t in TIMESTAMP_RANGE)
             reason = reason.when((c < lo) | (c >= hi), F.lit(f"out_of_range:{col.name}"))
-    df = df.withColumn("_reason", reason).withColumn("ingest_run_id", F.lit(run_id))
-    # Cached as an optimizer barrier: otherwise Spark pushes the _reason filters below these
-    # projections with every column expression inlined, re-parsing a record's JSON for each
-    # reference (bench/throughput.py measured ~30x slower per action, growing with the window).
-    parsed = df = cache(df.drop("_v"))
+    df = df.select(*kafka_cols, "schema_version", *col_names, reason.alias("_reason")).select(
+        *[
+            # Only quarantine rows keep the value bytes (the table does not store them): the
+            # cache holds what the two writes need, no more.
+            F.when(F.col("_reason").isNotNull(), F.col(c)).alias(c) if c == "kafka_value" else c
+            for c in kafka_cols
+        ],
+        "schema_version",
+        *col_names,
+        "_reason",
+        F.lit(run_id).alias("ingest_run_id"),
+    )
+    parsed = df = cache(df)
     quarantine = df.where(F.col("_reason").isNotNull()).select(
         "topic",
         "kafka_partition",
@@ -473,7 +517,7 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
         F.col("_reason").alias("reason"),
         "ingest_run_id",
     )
-    table_cols = [name for name, _ in KAFKA_COLUMNS] + [c.name for c in spec.columns]
+    table_cols = [name for name, _ in KAFKA_COLUMNS] + col_names
     rows = df.where(F.col("_reason").isNull()).select(*table_cols, "ingest_run_id")
     # Tombstones carry only the key; their payload columns stay NULL.
     return rows, quarantine, parsed
@@ -502,15 +546,8 @@ def record_hash_expr() -> Column:
     """:func:`backfill_assets.lake.windows.record_hash` in Spark, over the Kafka columns."""
     from pyspark.sql import functions as F
 
-    text = F.concat_ws(
-        ":",
-        F.col("partition").cast("string"),
-        F.col("offset").cast("string"),
-        F.sha2(F.coalesce(F.col("key"), F.lit(b"")), 256),
-        F.sha2(F.coalesce(F.col("value"), F.lit(b"")), 256),
-        F.when(F.col("value").isNull(), F.lit("1")).otherwise(F.lit("0")),
-    )
-    return F.conv(F.substring(F.sha2(text.cast("binary"), 256), 1, 15), 16, 10).cast("bigint")
+    key, value = F.col("key"), F.col("value")
+    return F.xxhash64(F.col("partition"), F.col("offset"), key, value, key.isNull(), value.isNull())
 
 
 def attribute(spark: SparkSession, source: DataFrame, contract: OffsetContract) -> DataFrame:
@@ -599,10 +636,10 @@ def replay_to_branch(
         source = read_contract(spark, settings, contract)
     raw = attribute(spark, source, contract)
     # One cache: the parse (on local disk). Rows and quarantine are filters of it; the first
-    # action (the figures' aggregation) fills it, the two writes read it back.
+    # write fills it, the second reads it back. The run's figures are measured on the branch
+    # as written, by the checks (checks.run_checks).
     rows, quarantine, parsed = parse(spec, raw, run_id)
     try:
-        figures = _figures(spec, parsed)
         props = audit_summary(contract, run_id)
         qwriter = quarantine.writeTo(qtable)
         for key, value in props.items():
@@ -621,102 +658,22 @@ def replay_to_branch(
         for chunk in chunks:
             chunk.unpersist()
     kafka_side = contract.windows.hour_figures()
-    per_hour = {}
-    for hour, k in kafka_side.items():
-        mine = figures["per_hour"].get(hour, {})
-        per_hour[hour] = {
-            "read": k["records"],
-            "written": mine.get("written", 0),
-            "quarantined": mine.get("quarantined", 0),
-        }
     return ReplayOutcome(
         contract=contract,
         branch=branch,
         run_id=run_id,
         records_read=contract.windows.records,
-        rows_written=figures["rows"],
-        quarantined=figures["quarantined"],
-        checksum=figures["checksum"],
-        per_hour=per_hour,
         quarantine_table=qtable,
-        quarantine_reasons=figures["reasons"],
         bytes_read=sum(k["bytes"] for k in kafka_side.values()),
         bytes_written=written.get("added-files-size", 0),
         files_written=written.get("added-data-files", 0),
         duration_s=time.monotonic() - began,
-        resent=figures["resent"],
-        conflicting_ids=figures["conflicting_ids"],
-        event_hours=figures["event_hours"],
     )
 
 
-def _figures(spec: TopicSpec, parsed: DataFrame) -> dict[str, Any]:
-    """What the run writes, per hour and per quarantine reason, and the rows' content checksum:
-    one aggregation over the cached parse; plus repeated event ids (a second, grouped by id).
-    Hours are collected as epoch millis, never as datetimes (PySpark would convert those with
-    the machine's local zone)."""
-    from pyspark.sql import functions as F
-
-    cols = ["kafka_partition", "kafka_offset", "is_tombstone", *[c.name for c in spec.columns]]
-    event_hour = F.when(
-        F.col("_reason").isNull() & ~F.col("is_tombstone"),
-        F.unix_millis(F.date_trunc("hour", F.col(spec.event_time_field))),
-    )
-    groups = (
-        parsed.groupBy(
-            F.unix_millis(F.col("kafka_hour")).alias("h"), F.col("_reason"), event_hour.alias("e")
-        )
-        .agg(
-            F.count("*").alias("n"),
-            F.sum(F.xxhash64(*[F.col(c) for c in cols]).cast("decimal(38,0)")).alias("hashes"),
-        )
-        .collect()
-    )
-    per_hour: dict[str, dict[str, int]] = {}
-    reasons: dict[str, int] = {}
-    total = {"written": 0, "quarantined": 0}
-    event_hours: dict[str, dict[str, int]] = {}
-    checksum = 0  # the same sum as checksum_expr over the rows, added up per hour
-    for r in groups:
-        kind = "written" if r["_reason"] is None else "quarantined"
-        if r["e"] is not None and r["h"] is not None:
-            late = event_hours.setdefault(_hour_key(r["h"]), {})
-            late[_hour_key(r["e"])] = late.get(_hour_key(r["e"]), 0) + int(r["n"])
-        figures = per_hour.setdefault(_hour_key(r["h"]), {})
-        figures[kind] = figures.get(kind, 0) + int(r["n"])
-        total[kind] += int(r["n"])
-        if r["_reason"] is None:
-            checksum += int(r["hashes"] or 0)
-        else:
-            reasons[r["_reason"]] = reasons.get(r["_reason"], 0) + int(r["n"])
-    content = F.xxhash64(*[F.col(c.name) for c in spec.columns])
-    ids = (
-        parsed.where(F.col("_reason").isNull() & ~F.col("is_tombstone"))
-        .groupBy(spec.event_id_field)
-        .agg(F.count("*").alias("n"), F.count_distinct(content).alias("versions"))
-        .where(F.col("n") > 1)
-        .agg(
-            F.coalesce(F.sum(F.col("n") - 1), F.lit(0)).alias("resent"),
-            F.coalesce(F.sum(F.when(F.col("versions") > 1, 1).otherwise(0)), F.lit(0)).alias(
-                "conflicting"
-            ),
-        )
-        .first()
-    )
-    assert ids is not None
-    return {
-        "rows": total["written"],
-        "quarantined": total["quarantined"],
-        "per_hour": per_hour,
-        "checksum": str(checksum),
-        "resent": int(ids["resent"]),
-        "conflicting_ids": int(ids["conflicting"]),
-        "reasons": reasons,
-        "event_hours": event_hours,
-    }
-
-
-def _hour_key(epoch_ms: int) -> str:
+def hour_key(epoch_ms: int) -> str:
+    """An hour collected from Spark as epoch millis (never as a datetime, which PySpark would
+    convert with the machine's local zone), as an ISO string in UTC."""
     return datetime.fromtimestamp(epoch_ms / 1000, UTC).isoformat()
 
 

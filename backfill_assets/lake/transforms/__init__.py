@@ -24,8 +24,11 @@ def json_field(v: Column, path: str, spark_type: str) -> Column:
     """
     from pyspark.sql import functions as F
 
-    kind = F.schema_of_variant(F.try_variant_get(v, path, "variant"))
-    value = F.try_variant_get(v, path, spark_type)
+    # The field is looked up once; its kind and typed value are read from that one value (Spark
+    # evaluates a subexpression shared by the condition and the result once per row).
+    field = F.try_variant_get(v, path, "variant")
+    kind = F.schema_of_variant(field)
+    value = F.try_variant_get(field, "$", spark_type)
     if spark_type == "string":
         ok = kind == F.lit("STRING")
     elif spark_type == "boolean":
@@ -37,7 +40,7 @@ def json_field(v: Column, path: str, spark_type: str) -> Column:
             ok = integer | fraction
         else:
             # Only a number written with a fraction or exponent can lose anything.
-            exact = F.try_variant_get(v, path, "decimal(38,18)")
+            exact = F.try_variant_get(field, "$", "decimal(38,18)")
             ok = integer | (fraction & (value.cast("decimal(38,18)") == exact))
     return F.when(ok, value)
 
