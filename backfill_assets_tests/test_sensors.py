@@ -4,12 +4,15 @@ instance; the next tick must request nothing new."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlparse
 
 import dagster as dg
 import pytest
@@ -19,13 +22,14 @@ from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.defs.sensors import build_gap_sensor, build_late_data_sensor
 from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate, partition_for
-from backfill_assets.lake import rollback
+from backfill_assets.lake import detect, ledger, rollback
 from backfill_assets.lake.declared import renamed
 from backfill_assets.lake.spec import TopicSpec
 from backfill_assets.stack import catalog
 from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:
+    from pyiceberg.catalog import Catalog
     from pyspark.sql import SparkSession
 
 START = datetime(2026, 7, 1, tzinfo=UTC)
@@ -154,9 +158,35 @@ def test_gaps_rollbacks_and_late_data(
     # published, the late-data sensor asks for event hour 1 and nothing else.
     _produce_late(world, stack_settings, kafka_hour=9, event_hour=1, count=3)
     assert _tick(world, "gap") == [("raw", sorted([current, raw]), _h(9), _h(9))]
-    _run(world, [raw, current], _h(9), _h(9))
-    assert _tick(world, "late") == [("late", tables, _h(1), _h(1))]
-    assert _tick(world, "late") == []
+    late_run = _run(world, [raw, current], _h(9), _h(9))
+    # The publish recorded what the late-data sensor needs in the ledger: the event hours of
+    # Kafka hour 9's rows. The sensor decides from that alone: with the raw table's data files
+    # out of reach (any row read would fail), it still asks for event hour 1.
+    cat = catalog.load(stack_settings.catalog)
+    ns = stack_settings.catalog.namespace
+    raw_name = f"lake.{ns}.{world.spec.raw_table}"
+    entry = ledger.coverage(cat, ns, raw_name)[START + timedelta(hours=9)]
+    assert entry.run_id == late_run
+    assert entry.event_hours == {START + timedelta(hours=1): 3}
+    with _rows_unreadable(cat, f"{ns}.{world.spec.raw_table}"):
+        assert _tick(world, "late") == [("late", tables, _h(1), _h(1))]
+        assert _tick(world, "late") == []
+    # A publish whose ledger rows do not hold event hours (here: its ledger rows are lost and
+    # recovered from main's history, as after a crash between the fast-forward and the ledger
+    # append) is found from its own rows instead, and only those are read.
+    expected = {
+        t.name: {START + timedelta(hours=1): f"late records ingested by run {late_run}"}
+        for t in world.spec.tables
+    }
+    assert detect.late_event_hours(cat, ns, world.spec) == expected
+    cat.load_table(f"{ns}.{ledger.LEDGER_TABLE}").delete(
+        f"table_name == '{raw_name}' AND run_id == '{late_run}'"
+    )
+    assert ledger.sync_from_history(cat, ns, raw_name) == [late_run]
+    assert ledger.coverage(cat, ns, raw_name)[START + timedelta(hours=9)].event_hours is None
+    assert detect.late_event_hours(cat, ns, world.spec) == expected
+    with _rows_unreadable(cat, f"{ns}.{world.spec.raw_table}"), pytest.raises(OSError):
+        detect.late_event_hours(cat, ns, world.spec)  # the fallback does read that run's rows
     _run(world, tables, _h(1), _h(1))
     assert _tick(world, "late") == []
 
@@ -178,9 +208,23 @@ def test_gaps_rollbacks_and_late_data(
     assert _tick(world, "late") == []
 
 
-def _expire_snapshots(world: World, stack_settings: Settings, spark_session: SparkSession) -> None:
-    from backfill_assets.lake import ledger
+@contextlib.contextmanager
+def _rows_unreadable(cat: Catalog, ident: str) -> Iterator[None]:
+    """The table's data files moved out of reach (metadata stays): reading a row fails."""
+    table = cat.load_table(ident)
+    files = [task.file.file_path for task in table.scan().plan_files()]
+    assert files, f"{ident} has data files"
+    data = Path(urlparse(table.location()).path) / "data"
+    assert all(urlparse(f).path.startswith(f"{data}/") for f in files), files
+    hidden = data.with_name("data.unreachable")
+    data.rename(hidden)
+    try:
+        yield
+    finally:
+        hidden.rename(data)
 
+
+def _expire_snapshots(world: World, stack_settings: Settings, spark_session: SparkSession) -> None:
     ns = stack_settings.catalog.namespace
     raw_table = f"lake.{ns}.{world.spec.raw_table}"
     oldest = ledger.publishes(catalog.load(stack_settings.catalog), ns, raw_table)[0]
@@ -230,3 +274,90 @@ def _produce_late(
             timestamp=int(kafka_ts.timestamp() * 1000) + i,
         )
     assert producer.flush(30) == 0
+
+
+def test_old_ledger_gains_event_hours_in_place(iceberg_catalog: Catalog) -> None:
+    """A ledger created before it kept event hours: the next append adds the column with one
+    schema update; every old row and data file stays, and old rows read it as unknown."""
+    import pyarrow as pa
+
+    ns = f"ledger_{uuid.uuid4().hex[:8]}"
+    iceberg_catalog.create_namespace(ns)
+    raw = f"lake.{ns}.raw_orders"
+    old_schema = pa.schema([f for f in ledger.SCHEMA if f.name != "event_hours"])
+    table = iceberg_catalog.create_table(f"{ns}.{ledger.LEDGER_TABLE}", schema=old_schema)
+    at = datetime(2026, 7, 2, tzinfo=UTC)
+
+    def publish(run: str, hour: int, seq: int) -> dict[str, object]:
+        return {
+            "event": "publish",
+            "table_name": raw,
+            "run_id": run,
+            "hour": START + timedelta(hours=hour),
+            "offsets": json.dumps({"0": [hour * 10, hour * 10 + 5]}),
+            "records": 5,
+            "snapshot_id": seq,
+            "sequence_number": seq,
+            "undone_runs": None,
+            "recorded_at": at + timedelta(minutes=seq),
+        }
+
+    old_rows = [
+        *(publish("old-run", h, 1) for h in range(3)),
+        publish("undone-run", 3, 2),
+        {
+            **publish("x", 0, 3),
+            "event": "rollback",
+            "run_id": None,
+            "hour": None,
+            "offsets": None,
+            "records": None,
+            "sequence_number": None,
+            "undone_runs": json.dumps(["undone-run"]),
+        },
+    ]
+    table.append(pa.Table.from_pylist(old_rows, schema=old_schema))
+    old_files = {task.file.file_path for task in table.scan().plan_files()}
+    # Read as it is (not evolved yet): the value is unknown.
+    assert [(e.run_id, e.event_hours) for e in ledger.publishes(iceberg_catalog, ns, raw)] == [
+        ("old-run", None)
+    ] * 3
+
+    ledger.record_publish(
+        iceberg_catalog,
+        ns,
+        raw,
+        run_id="new-run",
+        snapshot_id=4,
+        sequence_number=4,
+        hours=[START + timedelta(hours=3), START + timedelta(hours=4)],
+        event_hours={START + timedelta(hours=4): {START: 2, START + timedelta(hours=4): 7}},
+    )
+
+    table = iceberg_catalog.load_table(f"{ns}.{ledger.LEDGER_TABLE}")
+    assert table.schema().find_field("event_hours").optional
+    assert old_files <= {task.file.file_path for task in table.scan().plan_files()}
+    rows = table.scan().to_arrow().to_pylist()
+    assert len(rows) == len(old_rows) + 2
+    kept = [
+        {k: v for k, v in r.items() if k != "event_hours"} for r in rows if r["run_id"] != "new-run"
+    ]
+    assert sorted(kept, key=repr) == sorted(old_rows, key=repr)
+    assert all(r["event_hours"] is None for r in rows if r["run_id"] != "new-run")
+    assert [
+        (e.hour, e.run_id, e.offsets, e.event_hours)
+        for e in ledger.publishes(iceberg_catalog, ns, raw)
+    ] == [
+        *(
+            (START + timedelta(hours=h), "old-run", {0: (h * 10, h * 10 + 5)}, None)
+            for h in range(3)
+        ),
+        (START + timedelta(hours=3), "new-run", None, {}),  # published, no rows: nothing late
+        (START + timedelta(hours=4), "new-run", None, {START: 2, START + timedelta(hours=4): 7}),
+    ]
+    # The next append finds the column in place (no second schema update).
+    schema_id = table.schema().schema_id
+    ledger.record_rollback(iceberg_catalog, ns, raw, runs=["new-run"], snapshot_id=5)
+    table = iceberg_catalog.load_table(f"{ns}.{ledger.LEDGER_TABLE}")
+    assert table.schema().schema_id == schema_id
+    assert [e.run_id for e in ledger.publishes(iceberg_catalog, ns, raw)] == ["old-run"] * 3

@@ -1,18 +1,26 @@
-"""Benchmark: one tick of the gap sensor over a long, fully published hourly history.
+"""Benchmark: one tick of the gap sensor and of the late-data sensor over a long, fully
+published hourly history.
 
 Starts its own broker (free ports, temporary BACKFILL_HOME), creates a topic with
 ``--partitions`` partitions and one record per partition per hour over ``--days`` days, and
 records in the ledger that every hour of the raw table, the current-state table and the declared
-tables is published (with the raw windows' offsets, as a real publish records them). Then it
-times, for a short history (``--days-short``) and the full one, in the same process:
+tables is published (with the raw windows' offsets and event hours, as a real publish records
+them). Then it times, for a short history (``--days-short``) and the full one, in the same
+process:
 
 * the gap sensor's tick (``build_gap_sensor(...).evaluate_tick``: ledger, Kafka metadata,
   retention, requests), which reads Kafka only for hours the ledger does not cover;
 * baseline: the old way of finding which hours hold records, one ListOffsets request per hour
-  boundary of the whole history (``detect.hours_with_records`` without the ledger's windows).
+  boundary of the whole history (``detect.hours_with_records`` without the ledger's windows);
+* the late-data sensor's tick (``build_late_data_sensor(...).evaluate_tick``:
+  ``detect.late_event_hours`` and the requests), after every raw hour was published once more,
+  after the declared tables (so every raw publish is examined), each Kafka hour's rows
+  holding its own hour, the hour before (inside the allowed lateness) and, once a day, an
+  event hour 6 h old (beyond it: due).
 
-The tick must stay flat as the history grows: the ratio long / short is printed. Nothing of
-the raw table's data is read (the ledger and Kafka metadata are all the gap sensor uses).
+Both ticks must stay flat as the history grows: the ratio long / short is printed. Nothing of
+the raw table's data is read (the raw table does not even exist here): the ledger and Kafka
+metadata are all the sensors use.
 
 Run from the repository root (after scripts/bootstrap.sh):
     .venv/bin/python bench/sensors.py
@@ -73,7 +81,9 @@ def produce_history(settings: Any, topic: str, partitions: int, start: datetime,
     return n
 
 
-def publish_all(spec: Any, start: datetime, hours: int) -> None:
+def publish_all(
+    spec: Any, start: datetime, hours: int
+) -> dict[datetime, dict[int, tuple[int, int]]]:
     """Ledger rows for every hour of the raw, current and declared tables (one commit each)."""
     from backfill_assets.defs.resources import IcebergResource, KafkaResource
     from backfill_assets.lake import ledger
@@ -102,7 +112,47 @@ def publish_all(spec: Any, start: datetime, hours: int) -> None:
             sequence_number=seq,
             hours=all_hours,
             offsets=offsets if name == spec.raw_table else None,
+            event_hours=event_hours(all_hours, late=False) if name == spec.raw_table else None,
         )
+    return offsets
+
+
+LATE_BY = 6 * HOUR  # beyond the spec's 3 h allowed lateness
+
+
+def event_hours(hours: list[datetime], *, late: bool) -> dict[datetime, dict[datetime, int]]:
+    """Per Kafka hour: its own hour and the one before; with ``late``, once a day (from the
+    seventh hour on, so the event hour is published) an event hour ``LATE_BY`` old."""
+    out: dict[datetime, dict[datetime, int]] = {}
+    for i, hour in enumerate(hours):
+        out[hour] = {hour - HOUR: 1, hour: 11}
+        if late and i >= 6 and i % 24 == 6:
+            out[hour][hour - LATE_BY] = 1
+    return out
+
+
+def republish_raw(
+    spec: Any, hours: list[datetime], offsets: dict[datetime, dict[int, tuple[int, int]]]
+) -> int:
+    """Every raw hour published again, after the declared tables, with late event hours;
+    returns how many event hours that makes due."""
+    from backfill_assets.defs.resources import IcebergResource
+    from backfill_assets.lake import ledger
+
+    iceberg = IcebergResource()
+    late = event_hours(hours, late=True)
+    ledger.record_publish(
+        iceberg.catalog(),
+        iceberg.settings.catalog.namespace,
+        iceberg.spark_name(spec.raw_table),
+        run_id="bench-late",
+        snapshot_id=100,
+        sequence_number=100,
+        hours=hours,
+        offsets=offsets,
+        event_hours=late,
+    )
+    return len({e for k, per in late.items() for e in per if k - e == LATE_BY})
 
 
 def tick_seconds(spec: Any, repeat: int) -> tuple[float, list[str]]:
@@ -130,6 +180,38 @@ def tick_seconds(spec: Any, repeat: int) -> tuple[float, list[str]]:
         times.append(time.monotonic() - began)
         requests = [r.tags.get("backfill_assets/request", "") for r in data.run_requests or []]
     return statistics.median(times), requests
+
+
+def late_tick_seconds(spec: Any, repeat: int) -> tuple[float, list[str], int]:
+    """Median seconds of one late-data-sensor tick, its run requests and the due event hours
+    ``detect.late_event_hours`` found (one more call, untimed)."""
+    import dagster as dg
+
+    from backfill_assets.defs.assets import build_topic_assets
+    from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
+    from backfill_assets.defs.sensors import build_late_data_sensor
+    from backfill_assets.lake import detect
+
+    sensor = build_late_data_sensor(spec, [spec])
+    resources = {"iceberg": IcebergResource()}
+    defs = dg.Definitions(
+        assets=build_topic_assets(spec),
+        sensors=[sensor],
+        resources={**resources, "kafka": KafkaResource(), "spark": SparkResource()},
+    )
+    instance = dg.DagsterInstance.ephemeral()
+    times = []
+    requests: list[str] = []
+    for _ in range(repeat):
+        context = dg.build_sensor_context(instance=instance, resources=resources, definitions=defs)
+        began = time.monotonic()
+        data = sensor.evaluate_tick(context)
+        times.append(time.monotonic() - began)
+        requests = [r.tags.get("backfill_assets/request", "") for r in data.run_requests or []]
+    iceberg = IcebergResource()
+    due = detect.late_event_hours(iceberg.catalog(), iceberg.settings.catalog.namespace, spec)
+    hours = {h for per in due.values() for h in per}
+    return statistics.median(times), requests, len(hours)
 
 
 def probe_seconds(spec: Any, start: datetime, hours: int, repeat: int) -> float:
@@ -185,26 +267,36 @@ def main() -> None:
             spec = renamed(orders, topic, partition_start=start)
             os.environ["BACKFILL_NAMESPACE"] = f"bench_{days}d"
             made = produce_history(settings, topic, args.partitions, start, hours)
-            publish_all(spec, start, hours)
+            offsets = publish_all(spec, start, hours)
             tick, requests = tick_seconds(spec, args.repeat)
             probe = probe_seconds(spec, start, hours, max(1, args.repeat // 2))
-            results[days] = (tick, probe)
+            all_hours = [start + i * HOUR for i in range(hours)]
+            expected = republish_raw(spec, all_hours, offsets)
+            late, late_requests, found = late_tick_seconds(spec, args.repeat)
+            assert found == expected, f"{found} late event hours found, expected {expected}"
+            results[days] = (tick, probe, late)
             print(
                 f"{days} days x {args.partitions} partitions ({made:,} records, {hours} hours "
                 f"published): gap-sensor tick {tick:.2f}s (requests: {requests or 'none'}); "
-                f"ListOffsets per hour (old way) {probe:.2f}s"
+                f"ListOffsets per hour (old way) {probe:.2f}s; late-data-sensor tick "
+                f"{late:.2f}s ({found} late event hours, {len(late_requests)} requests)"
             )
     finally:
         broker.stop()
         shutil.rmtree(home, ignore_errors=True)
-    (short_tick, _), (long_tick, long_probe) = results[args.days_short], results[args.days]
+    (short_tick, _, short_late) = results[args.days_short]
+    (long_tick, long_probe, long_late) = results[args.days]
     print()
-    print(
-        f"gap-sensor tick over {args.days} days: {long_tick:.2f}s "
-        f"(goal <= {TICK_GOAL_S}s: {'met' if long_tick <= TICK_GOAL_S else 'NOT MET'})"
-    )
-    print(f"  {args.days} days / {args.days_short} days: {long_tick / short_tick:.2f}x")
-    print(f"  tick / old per-hour ListOffsets probe alone: {long_tick / long_probe:.2f}x")
+    for what, short, long in (
+        ("gap-sensor", short_tick, long_tick),
+        ("late-data-sensor", short_late, long_late),
+    ):
+        print(
+            f"{what} tick over {args.days} days: {long:.2f}s "
+            f"(goal <= {TICK_GOAL_S}s: {'met' if long <= TICK_GOAL_S else 'NOT MET'})"
+        )
+        print(f"  {args.days} days / {args.days_short} days: {long / short:.2f}x")
+    print(f"gap-sensor tick / old per-hour ListOffsets probe alone: {long_tick / long_probe:.2f}x")
 
 
 if __name__ == "__main__":

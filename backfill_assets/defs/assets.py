@@ -138,6 +138,7 @@ def _audit_and_publish(
     rebase: Rebase,
     ledger_offsets: dict[datetime, dict[int, tuple[int, int]]] | None = None,
     ledger_records: dict[datetime, int] | None = None,
+    ledger_event_hours: dict[datetime, dict[datetime, int]] | None = None,
 ) -> Generator[dg.AssetCheckResult, None, Published]:
     """Publish only if every check passed, else yield the check results and fail, naming the
     figures. On success nothing is yielded: the caller attaches the returned check results to
@@ -241,6 +242,7 @@ def _audit_and_publish(
         hours=hours_between(window.start, window.end),
         offsets=ledger_offsets,
         records=ledger_records,
+        event_hours=ledger_event_hours,
     )
     try:  # a run killed after its fast-forward left a publish without rows: add them
         late = audit.record_unaudited_publishes(
@@ -394,6 +396,11 @@ def _replay_raw(
         ledger_offsets={h: windows.hour_offsets(h) for h in windows.hours},
         ledger_records={
             h: sum(c.records for c in windows.cells[h].values()) for h in windows.hours
+        },
+        # for the late-data sensor, which reads these instead of the rows
+        ledger_event_hours={
+            datetime.fromisoformat(h): {datetime.fromisoformat(e): n for e, n in late.items()}
+            for h, late in outcome.event_hours.items()
         },
     )
     rate = outcome.records_read / outcome.duration_s if outcome.duration_s else 0.0

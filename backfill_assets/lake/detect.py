@@ -3,8 +3,10 @@
 The authoritative checkpoint is the ledger of published windows
 (:mod:`backfill_assets.lake.ledger`), which table maintenance cannot erase: a rolled-back
 publish is no longer live and so becomes a gap again.
-Everything here reads Kafka metadata and Iceberg metadata (pyiceberg), never data files except
-for the late-data look-up, and never starts Spark, so sensors stay cheap.
+Everything here reads Kafka metadata, Iceberg metadata and the ledger (pyiceberg), never the
+tables' data files (the late-data look-up too: the ledger records the event-time hours of each
+published Kafka hour; only a publish whose ledger rows predate that has its own rows read), and
+never starts Spark, so sensors stay cheap.
 
 Kafka-time hours are compared as units: an hour "has records" when some partition's offsets
 for it are non-empty (ListOffsets-by-timestamp at the hour's bounds). Transaction markers and
@@ -272,58 +274,99 @@ def late_event_hours(
 ) -> dict[str, dict[datetime, str]]:
     """Per declared table that reads the topic's events: event-time hours that received
     records after the table's hour was published, from Kafka hours beyond the table's allowed
-    lateness (so the partition mapping alone misses them)."""
+    lateness (so the partition mapping alone misses them).
+
+    Event hour E of a table is due when the live raw publish of some Kafka hour K holds rows of
+    E, K > E + the table's lateness, and that publish was committed after the table's publish
+    of E. What each Kafka hour's rows hold comes from the ledger (``Entry.event_hours``, the
+    replay's own per-hour figures), so a tick reads ledger rows, never table rows, and costs
+    the same whatever the tables hold."""
     readers = [t for t in spec.tables if spec.topic in t.refs]
-    raw_pubs = published(catalog, f"{namespace}.{spec.raw_table}")
     out: dict[str, dict[datetime, str]] = {}
-    if not raw_pubs or not readers:
+    if not readers:
         return out
-    rows: list[dict[str, Any]] | None = None
-    committed = {p.run_id: p.committed_ms for p in raw_pubs}
+    raw_entries = ledger.coverage(
+        catalog, namespace, f"{catalog.name}.{namespace}.{spec.raw_table}"
+    )
+    if not raw_entries:
+        return out
+    # Oldest commit first, so a reason names the newest run that brought late records.
+    by_commit = sorted(
+        raw_entries.items(), key=lambda kv: (kv[1].sequence_number, kv[1].recorded_at, kv[0])
+    )
+    from_rows: dict[datetime, dict[datetime, int]] = {}  # Kafka hours without ledger figures
     for table in readers:
         mine = covered_hours(published(catalog, f"{namespace}.{table.name}"))
         if not mine:
             continue
         oldest = min(p.committed_ms for p in mine.values())
-        if rows is None:
-            rows = _recent_rows(catalog, namespace, spec, raw_pubs, oldest)
+        recent = [(k, e) for k, e in by_commit if e.committed_ms > oldest]
+        # A publish whose ledger rows do not say (appended before the ledger kept event hours,
+        # or recovered from main's history by sync_from_history) has its own rows read, and
+        # only those, so nothing is missed; every publish since records them.
+        unknown = {k: e for k, e in recent if e.event_hours is None and k not in from_rows}
+        if unknown:
+            from_rows.update(_event_hours_from_rows(catalog, namespace, spec, unknown))
         lateness = timedelta(hours=table.lateness_hours)
         due: dict[datetime, str] = {}
-        for row in rows:
-            event_time = row[spec.event_time_field]
-            if event_time is None:
-                continue
-            event_hour = _hour(event_time)
-            pub = mine.get(event_hour)
-            if pub is None:
-                continue  # never published: the gap sensor handles it
-            if _hour(row["kafka_hour"]) <= event_hour + lateness:
-                continue  # inside the mapping: the gap sensor's staleness rule handles it
-            if committed[row["ingest_run_id"]] > pub.committed_ms:
-                due[event_hour] = f"late records ingested by run {row['ingest_run_id']}"
+        for kafka_hour, entry in recent:
+            counts = entry.event_hours if entry.event_hours is not None else from_rows[kafka_hour]
+            for event_hour in counts:
+                pub = mine.get(event_hour)
+                if pub is None:
+                    continue  # never published: the gap sensor handles it
+                if kafka_hour <= event_hour + lateness:
+                    continue  # inside the mapping: the gap sensor's staleness rule handles it
+                if entry.committed_ms > pub.committed_ms:
+                    due[event_hour] = f"late records ingested by run {entry.run_id}"
         if due:
             out[table.name] = due
     return out
 
 
-def _recent_rows(
-    catalog: Catalog, namespace: str, spec: TopicSpec, raw_pubs: list[Publish], since_ms: int
-) -> list[dict[str, Any]]:
-    """Event time, Kafka hour and run of the raw rows published after ``since_ms``."""
-    recent_runs = sorted({p.run_id for p in raw_pubs if p.committed_ms > since_ms})
-    if not recent_runs:
-        return []
+def _event_hours_from_rows(
+    catalog: Catalog, namespace: str, spec: TopicSpec, entries: dict[datetime, ledger.Entry]
+) -> dict[datetime, dict[datetime, int]]:
+    """Kafka hour -> event-time hour -> rows, for the given live raw publishes, from the raw
+    table's rows of those runs in those hours (tombstones excluded, as the replay's figures).
+    Read batch by batch and counted as they come: rows are never collected."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    out: dict[datetime, dict[datetime, int]] = {hour: {} for hour in entries}
+    quoted = ", ".join(sorted({f"'{e.run_id}'" for e in entries.values() if "'" not in e.run_id}))
+    if not quoted:
+        return out
     table = catalog.load_table(f"{namespace}.{spec.raw_table}")
-    quoted = ", ".join(f"'{r}'" for r in recent_runs if "'" not in r)
-    rows: list[dict[str, Any]] = (
-        table.scan(
-            row_filter=f"ingest_run_id IN ({quoted}) AND is_tombstone == false",
-            selected_fields=(spec.event_time_field, "kafka_hour", "ingest_run_id"),
-        )
-        .to_arrow()
-        .to_pylist()
+    # The hours' bounds prune the table's kafka_hour partitions (epoch microseconds).
+    row_filter = (
+        f"ingest_run_id IN ({quoted}) AND is_tombstone == false"
+        f" AND kafka_hour >= {_us(min(entries))} AND kafka_hour < {_us(max(entries) + HOUR)}"
     )
-    return rows
+    event = spec.event_time_field
+    scan = table.scan(row_filter=row_filter, selected_fields=(event, "kafka_hour", "ingest_run_id"))
+    for batch in scan.to_arrow_batch_reader():
+        rows = pa.Table.from_batches([batch])
+        rows = rows.filter(pc.is_valid(rows[event]))
+        if rows.num_rows == 0:
+            continue
+        rows = rows.append_column("event_hour", pc.floor_temporal(rows[event], unit="hour"))
+        groups = rows.group_by(["kafka_hour", "ingest_run_id", "event_hour"]).aggregate(
+            [("kafka_hour", "count")]
+        )
+        for group in groups.to_pylist():
+            kafka_hour = _hour(group["kafka_hour"])
+            entry = entries.get(kafka_hour)
+            if entry is None or entry.run_id != group["ingest_run_id"]:
+                continue  # another run's rows, or an hour another run published since
+            counts = out[kafka_hour]
+            event_hour = _hour(group["event_hour"])
+            counts[event_hour] = counts.get(event_hour, 0) + int(group["kafka_hour_count"])
+    return out
+
+
+def _us(moment: datetime) -> int:
+    return int(moment.timestamp() * 1_000_000)
 
 
 def _retention_risks(

@@ -4,8 +4,13 @@ erase it (snapshots expire; these rows do not).
 One Iceberg table, ``backfill_ledger``, appended with pyiceberg (one atomic commit per append,
 retried when another writer committed first). A ``publish`` row per published hour records the
 run, the snapshot main moved to (and its sequence number, the table's commit order) and, for raw
-tables, the hour's offsets per partition. A ``rollback`` row lists the runs a rollback undid.
-What a table covers now is, per hour, the newest publish whose run was not undone.
+tables, the hour's offsets per partition and the event-time hours of its rows with their counts
+(``event_hours``, what the late-data sensor reads instead of the rows). A ``rollback`` row lists
+the runs a rollback undid. What a table covers now is, per hour, the newest publish whose run was
+not undone.
+
+A ledger created by an older version lacks the newer (nullable) columns: the first append adds
+them in place (a schema update, no data file rewritten), and its old rows read them as null.
 
 The data commit is the source of truth at the moment of publishing: its snapshot summary
 carries the same windows (``backfill.windows``). :func:`sync_from_history` copies any publish
@@ -25,6 +30,7 @@ from typing import Any
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException, NoSuchTableError
+from pyiceberg.table import Table
 
 LEDGER_TABLE = "backfill_ledger"
 SUMMARY_PREFIX = "backfill."
@@ -41,6 +47,8 @@ SCHEMA = pa.schema(
         pa.field("sequence_number", pa.int64()),
         pa.field("undone_runs", pa.string()),
         pa.field("recorded_at", _TS, nullable=False),
+        # raw tables: JSON {event-time hour (ISO, UTC): rows}; null where unknown
+        pa.field("event_hours", pa.string()),
     ]
 )
 
@@ -55,6 +63,10 @@ class Entry:
     sequence_number: int
     recorded_at: datetime
     offsets: dict[int, tuple[int, int]] | None
+    # Raw tables: the event-time hours of the hour's rows (tombstones and quarantined records
+    # excluded) with their counts; {} when it has none; None when unknown (rows appended before
+    # the ledger kept it, publishes recovered by sync_from_history).
+    event_hours: dict[datetime, int] | None = None
 
     @property
     def committed_ms(self) -> int:
@@ -63,6 +75,18 @@ class Entry:
 
 def _ident(namespace: str) -> str:
     return f"{namespace}.{LEDGER_TABLE}"
+
+
+def _evolved(table: Table) -> Table:
+    """``table`` with every column of :data:`SCHEMA`: a ledger created by an older version gets
+    the columns it lacks (all nullable) by one schema update, in place. Data files are not
+    rewritten, nothing is lost; its old rows read the new columns as null."""
+    have = {f.name for f in table.schema().fields}
+    if all(name in have for name in SCHEMA.names):
+        return table
+    with table.update_schema() as update:
+        update.union_by_name(SCHEMA)
+    return table
 
 
 def _append(
@@ -75,6 +99,9 @@ def _append(
     data = pa.Table.from_pylist(rows, schema=SCHEMA)
     for attempt in range(attempts):
         try:
+            # Inside the retry: another writer may have evolved the schema first (our update
+            # then fails its commit and the reloaded table already has the columns).
+            table = _evolved(table)
             table.append(data)
             return
         except CommitFailedException:
@@ -95,13 +122,19 @@ def record_publish(
     hours: Iterable[datetime],
     offsets: Mapping[datetime, Mapping[int, tuple[int, int]]] | None = None,
     records: Mapping[datetime, int] | None = None,
+    event_hours: Mapping[datetime, Mapping[datetime, int]] | None = None,
     recorded_at: datetime | None = None,
 ) -> None:
-    """One ``publish`` row per hour, in one commit."""
+    """One ``publish`` row per hour, in one commit.
+
+    ``event_hours`` (raw tables): per published hour, the event-time hours of its rows with
+    their counts; an hour it does not name has no such rows. None: not known (the late-data
+    sensor then reads the publish's rows)."""
     now = recorded_at or datetime.now(UTC)
     rows = []
     for hour in sorted(hours):
         off = (offsets or {}).get(hour)
+        late = None if event_hours is None else _event_hours_json(event_hours.get(hour, {}))
         rows.append(
             {
                 "event": "publish",
@@ -116,9 +149,20 @@ def record_publish(
                 "sequence_number": sequence_number,
                 "undone_runs": None,
                 "recorded_at": now,
+                "event_hours": late,
             }
         )
     _append(catalog, namespace, rows)
+
+
+def _event_hours_json(counts: Mapping[datetime, int]) -> str:
+    return json.dumps({h.astimezone(UTC).isoformat(): int(n) for h, n in sorted(counts.items())})
+
+
+def _event_hours(value: str | None) -> dict[datetime, int] | None:
+    if value is None:
+        return None
+    return {datetime.fromisoformat(h).astimezone(UTC): int(n) for h, n in json.loads(value).items()}
 
 
 def record_rollback(
@@ -140,6 +184,7 @@ def record_rollback(
                 "sequence_number": None,
                 "undone_runs": json.dumps(sorted(runs)),
                 "recorded_at": datetime.now(UTC),
+                "event_hours": None,
             }
         ],
     )
@@ -187,6 +232,8 @@ def publishes(catalog: Catalog, namespace: str, table_name: str) -> list[Entry]:
                 sequence_number=int(row["sequence_number"]),
                 recorded_at=row["recorded_at"].astimezone(UTC),
                 offsets=offsets,
+                # absent from a ledger not yet evolved (no append since the column was added)
+                event_hours=_event_hours(row.get("event_hours")),
             )
         )
     return sorted(out, key=lambda e: (e.sequence_number, e.recorded_at))
