@@ -4,8 +4,10 @@ detach a table's history in the Dagster instance."""
 from __future__ import annotations
 
 import dagster as dg
+import pytest
 
-from backfill_assets.defs.definitions import defs
+from backfill_assets.defs.definitions import build_defs, defs
+from backfill_assets.lake.spec import load_specs
 
 RAW = dg.AssetKey(["raw", "orders"])
 HOURLY = dg.AssetKey(["lakehouse", "orders_hourly"])
@@ -132,3 +134,15 @@ def test_column_schemas_and_check_descriptions_come_from_the_spec() -> None:
         for key in (RAW, HOURLY)
     }
     assert uniq[RAW].description != uniq[HOURLY].description
+
+
+def test_every_job_runs_in_process_unless_the_setting_says_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The executor is the Definitions' default, so runs launched from the UI (which sends no
+    run config) get it too, not only the CLI's."""
+    graph_job = defs.resolve_implicit_global_asset_job_def()
+    assert graph_job.executor_def is dg.in_process_executor
+    monkeypatch.setenv("BACKFILL_RUN_EXECUTOR", "multiprocess")
+    other = build_defs(load_specs()).resolve_implicit_global_asset_job_def()
+    assert other.executor_def is dg.multiprocess_executor

@@ -25,6 +25,18 @@ def test_local_defaults_describe_the_embedded_stack(tmp_path: object) -> None:
     assert s.catalog.uri == "sqlite:////tmp/bf-home/catalog/catalog.db"
     assert s.catalog.warehouse == "file:///tmp/bf-home/warehouse"
     assert s.webserver_host == "127.0.0.1"
+    assert s.run_executor == "in_process"
+
+
+def test_a_throttled_process_gets_half_the_local_cores_unless_the_master_is_set() -> None:
+    """Live consumers keep a core beside a throttled backfill, with the default settings."""
+    throttled = {"BACKFILL_HOME": "/tmp/bf-home", "BACKFILL_REPLAY_MAX_RECORDS_PER_S": "2000"}
+    assert Settings.from_env(throttled).spark_master == "local[1]"
+    assert Settings.from_env(
+        {**throttled, "BACKFILL_REPLAY_MAX_RECORDS_PER_S": "0"}
+    ).spark_master == ("local[2]")
+    explicit = {**throttled, "BACKFILL_SPARK_MASTER": "local[2]"}
+    assert Settings.from_env(explicit).spark_master == "local[2]"
 
 
 @pytest.mark.parametrize(
@@ -41,6 +53,7 @@ def test_local_defaults_describe_the_embedded_stack(tmp_path: object) -> None:
         ({"BACKFILL_CATALOG_KIND": "hive"}, "BACKFILL_CATALOG_KIND"),
         ({"BACKFILL_CATALOG_KIND": "rest"}, "BACKFILL_CATALOG_URI"),
         ({"BACKFILL_CATALOG_URI": "mysql://x"}, "postgresql"),
+        ({"BACKFILL_RUN_EXECUTOR": "threads"}, "BACKFILL_RUN_EXECUTOR.*in_process.*multiprocess"),
     ],
 )
 def test_bad_values_name_the_variable_and_what_is_allowed(env: dict[str, str], names: str) -> None:

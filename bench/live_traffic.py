@@ -104,6 +104,9 @@ def main() -> None:
             "BACKFILL_KAFKA_PORT": str(free_port()),
             "BACKFILL_KAFKA_CONTROLLER_PORT": str(free_port()),
             "BACKFILL_SENSORS": "off",
+            # What a throttled run's process sees: with the default settings its local Spark
+            # gets half the cores (stack/settings.py::default_master).
+            "BACKFILL_REPLAY_MAX_RECORDS_PER_S": str(args.cap),
         }
     )
     from backfill_assets.defs.resources import KafkaResource
@@ -140,6 +143,7 @@ def main() -> None:
             HISTORY_START + timedelta(hours=args.history_hours),
         )
         print(f"history: {contract.records:,} records ({truth.totals['records']:,} generated)")
+        print(f"Spark master: {settings.spark_master}")
 
         # A. Throttle accuracy (and the unthrottled read as a baseline in the same process).
         began = time.monotonic()

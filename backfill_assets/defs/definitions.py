@@ -18,6 +18,7 @@ from backfill_assets.defs.sensors import build_gap_sensor, build_late_data_senso
 from backfill_assets.defs.topics import build_topic_observer, topic_asset
 from backfill_assets.lake.archiver import build_archive_asset, build_archive_schedule
 from backfill_assets.lake.spec import TopicSpec, load_specs
+from backfill_assets.stack.settings import Settings
 
 RESOURCES: dict[str, object] = {
     "kafka": KafkaResource(),
@@ -26,8 +27,23 @@ RESOURCES: dict[str, object] = {
 }
 
 
+def run_executor() -> dg.ExecutorDefinition:
+    """The executor of every run, however launched (UI, CLI, sensors): ``BACKFILL_RUN_EXECUTOR``.
+
+    ``in_process`` (default) runs a run's steps one after another in the run worker, on one
+    Spark session. Dagster's own default, ``multiprocess``, starts a process per step that loads
+    the code location again and starts its own Spark session: ~10 s per step on 2 cores
+    (bench/latency.py), for no parallelism, since a run's steps read what the previous one
+    published (current state and declared tables read the raw table). What a step writes, checks
+    and publishes is the same either way."""
+    if Settings.from_env().run_executor == "multiprocess":
+        return dg.multiprocess_executor
+    return dg.in_process_executor
+
+
 def build_defs(specs: Sequence[TopicSpec]) -> dg.Definitions:
-    """Assets, checks, sensors and schedules for ``specs``, with the default resources."""
+    """Assets, checks, sensors and schedules for ``specs``, with the default resources and
+    executor (:func:`run_executor`)."""
     specs = list(specs)
     assets: list[dg.AssetsDefinition | dg.AssetSpec] = [topic_asset(spec) for spec in specs]
     assets += [build_archive_asset(spec) for spec in specs]
@@ -48,6 +64,7 @@ def build_defs(specs: Sequence[TopicSpec]) -> dg.Definitions:
         schedules=[build_archive_schedule(spec) for spec in specs] + maintenance_schedules,
         jobs=maintenance_jobs,
         resources=RESOURCES,
+        executor=run_executor(),
     )
 
 

@@ -23,6 +23,7 @@ from backfill_assets.errors import SettingsError
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 CatalogKind = Literal["sql", "rest"]
+RunExecutor = Literal["in_process", "multiprocess"]
 _SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 _SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER")
 
@@ -174,6 +175,10 @@ class Settings:
     # Any other spark.* settings (BACKFILL_SPARK_CONF, a JSON object), applied last.
     spark_extra_conf: Mapping[str, str] = field(default_factory=dict)
     maintenance: MaintenanceSettings = field(default_factory=MaintenanceSettings)
+    # How every run executes its steps (BACKFILL_RUN_EXECUTOR, defs/definitions.py::run_executor):
+    # ``in_process``, one process and one Spark session per run; ``multiprocess``, Dagster's
+    # default, a process and a Spark session per step.
+    run_executor: RunExecutor = "in_process"
 
     @property
     def kafka_data_dir(self) -> Path:
@@ -240,12 +245,13 @@ class Settings:
             s3_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
             s3_region=env.get("AWS_REGION"),
         )
+        throttle = _int(env, "BACKFILL_REPLAY_MAX_RECORDS_PER_S", 0, zero_ok=True)
         return cls(
             home=home,
             jar_cache=Path(env.get("BACKFILL_JAR_CACHE", str(home / "jars"))).resolve(),
             kafka=kafka,
             catalog=catalog,
-            spark_master=env.get("BACKFILL_SPARK_MASTER", "local[2]"),
+            spark_master=env.get("BACKFILL_SPARK_MASTER") or default_master(throttle),
             spark_driver_memory=_memory(env, "BACKFILL_SPARK_DRIVER_MEMORY", "2g") or "2g",
             spark_shuffle_partitions=_int(env, "BACKFILL_SPARK_SHUFFLE_PARTITIONS", 4),
             spark_executor_memory=_memory(env, "BACKFILL_SPARK_EXECUTOR_MEMORY", None),
@@ -263,14 +269,13 @@ class Settings:
             webserver_host=env.get("BACKFILL_WEBSERVER_HOST", "127.0.0.1"),
             webserver_port=_int(env, "BACKFILL_WEBSERVER_PORT", 3000),
             sensors_running=_switch(env, "BACKFILL_SENSORS", default=True),
-            replay_max_records_per_s=_int(
-                env, "BACKFILL_REPLAY_MAX_RECORDS_PER_S", 0, zero_ok=True
-            ),
+            replay_max_records_per_s=throttle,
             seal_grace_s=_int(env, "BACKFILL_SEAL_GRACE_S", 300, zero_ok=True),
             publish_attempts=_int(env, "BACKFILL_PUBLISH_ATTEMPTS", 5),
             fault_point=_fault_point(env),
             spec_path=Path(env["BACKFILL_SPEC"]).resolve() if env.get("BACKFILL_SPEC") else None,
             maintenance=_maintenance(env),
+            run_executor=_run_executor(env),
         )
 
 
@@ -379,6 +384,26 @@ def _spark_conf(env: Mapping[str, str]) -> dict[str, str]:
         else:
             raise SettingsError(f"{name}: {key} must be a string, number or boolean")
     return conf
+
+
+LOCAL_CORES = 2
+
+
+def default_master(max_records_per_s: int) -> str:
+    """The local master when BACKFILL_SPARK_MASTER is unset: ``local[2]``; a throttled process
+    (BACKFILL_REPLAY_MAX_RECORDS_PER_S > 0) gets half the cores, ``local[1]``, so the machine's
+    other core stays with live consumers (bench/live_traffic.py: a live consumer's p99 rose
+    1.42-1.45x beside a throttled ``local[2]`` replay, 1.07-1.13x beside ``local[1]``). An
+    explicit BACKFILL_SPARK_MASTER always wins."""
+    cores = max(1, LOCAL_CORES // 2) if max_records_per_s else LOCAL_CORES
+    return f"local[{cores}]"
+
+
+def _run_executor(env: Mapping[str, str]) -> RunExecutor:
+    name = "BACKFILL_RUN_EXECUTOR"
+    raw = env.get(name, "").strip().lower().replace("-", "_") or "in_process"
+    _choice(name, raw, ("in_process", "multiprocess"))
+    return raw  # type: ignore[return-value]  # validated by _choice above
 
 
 def _fault_point(env: Mapping[str, str]) -> str | None:
