@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 import pytest
 
 from backfill_assets.lake.replay import OffsetContract, ReplayError, chunk_contract
+from backfill_assets.lake.windows import Cell, Windows
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -24,6 +25,19 @@ def test_pieces_cover_the_contract_exactly(max_records: int) -> None:
             assert s == cursor and e >= s
             cursor = e
         assert cursor == end
+
+
+def test_pieces_of_a_windowed_contract_count_their_own_offsets() -> None:
+    """A contract from the windows knows the whole range's committed records; a piece must not
+    claim them (the throttle paced every chunk as if it held the whole range, 7x under its cap
+    in bench/live_traffic.py)."""
+    cells = {T0: {0: Cell(0, 600, records=590), 1: Cell(0, 400, records=400)}}
+    windows = Windows("t", T0, T0, cells)
+    contract = OffsetContract("t", T0, T0, windows.ranges, windows=windows)
+    assert contract.records == 990
+    pieces = chunk_contract(contract, 100)
+    assert len(pieces) == 10
+    assert all(p.windows is None and p.records == p.offsets == 100 for p in pieces)
 
 
 def test_empty_contract_has_no_pieces_and_bad_sizes_are_refused() -> None:

@@ -311,7 +311,9 @@ def _read_kafka(
 
 def chunk_contract(contract: OffsetContract, max_records: int) -> list[OffsetContract]:
     """Split a contract into consecutive pieces of at most ``max_records`` offsets, each
-    advancing every partition in proportion to what it has left."""
+    advancing every partition in proportion to what it has left. A piece is a plain offset
+    range: the contract's per-hour windows (and their record counts) describe the whole, so
+    pieces do not carry them."""
     if max_records <= 0:
         raise ReplayError("max_records must be positive")
     pos = {p: s for p, (s, _) in contract.ranges.items()}
@@ -331,7 +333,11 @@ def chunk_contract(contract: OffsetContract, max_records: int) -> list[OffsetCon
                 take[p] += 1
                 spare -= 1
         pieces.append(
-            replace(contract, ranges={p: (pos[p], pos[p] + take[p]) for p in sorted(pos)})
+            replace(
+                contract,
+                ranges={p: (pos[p], pos[p] + take[p]) for p in sorted(pos)},
+                windows=None,
+            )
         )
         pos = {p: pos[p] + take[p] for p in pos}
     return pieces
@@ -358,7 +364,7 @@ def read_throttled(
         frame = cache(read_contract(spark, settings, piece))
         frame.count()
         cached.append(frame)
-        done += piece.records
+        done += piece.offsets
         pause = done / max_records_per_s - (time.monotonic() - began)
         if pause > 0:
             time.sleep(pause)
