@@ -348,7 +348,11 @@ def stack_command(ui: Ui, settings: Settings, action: str) -> int:
 )
 @click.option("--events-per-hour", type=int, default=600, show_default=True)
 @click.option("--seed", type=int, default=7, show_default=True)
-@click.option("--start", help="first hour (ISO-8601, UTC); default: now minus --hours")
+@click.option(
+    "--start",
+    help="first hour (ISO-8601, UTC); default: the --hours hours that ended an hour before the "
+    "current one",
+)
 @_with_ui
 def generate_command(
     ui: Ui,
@@ -366,8 +370,11 @@ def generate_command(
     if start:
         first = _parse_hour(start, "--start")
     else:
+        # The history ends an hour before the current hour: its last hour is then sealed at
+        # once (an hour that ended less than BACKFILL_SEAL_GRACE_S ago, with no record after it,
+        # is not), so a demo started at 10:02 can backfill all of it.
         now = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
-        first = now - timedelta(hours=hours)
+        first = now - timedelta(hours=hours + 1)
     config = GeneratorConfig(
         topic=topic,
         partitions=partitions,
