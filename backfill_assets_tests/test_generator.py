@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import random
@@ -36,6 +37,7 @@ from backfill_assets.demo.generator import (
     generate,
     hour_iso,
     plan_events,
+    produce_history,
 )
 from backfill_assets.errors import GeneratorError
 from backfill_assets.stack.settings import Settings
@@ -542,6 +544,47 @@ def test_generate_uses_an_existing_empty_topic(stack_settings: Settings, topic: 
     admin.create_topics([create])[topic].result()
     truth = generate(stack_settings, cfg)
     assert sum(p.end_offset for p in truth.partition_offsets.values()) == len(plan_events(cfg))
+
+
+def test_produce_history_writes_every_chunk_in_order(stack_settings: Settings, topic: str) -> None:
+    cfg = config(topic=topic, partitions=3, hours=5, events_per_hour=40)
+    progress: list[tuple[int, int]] = []
+    produced = produce_history(
+        stack_settings, cfg, chunk_hours=2, on_progress=lambda d, t: progress.append((d, t))
+    )
+    chunks = [
+        dataclasses.replace(cfg, start=START + timedelta(hours=h), hours=n, seed=cfg.seed + i)
+        for i, (h, n) in enumerate([(0, 2), (2, 2), (4, 1)])
+    ]
+    assert produced == sum(len(plan_events(c)) for c in chunks)
+    assert progress == [(2, 5), (4, 5), (5, 5)]
+    consumer = throwaway_consumer(stack_settings)
+    try:
+        highs = {
+            p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+            for p in range(3)
+        }
+        assert sum(highs.values()) == produced
+        consumer.assign([TopicPartition(topic, p, 0) for p in range(3)])
+        stamps: dict[int, list[int]] = defaultdict(list)
+        deadline = time.monotonic() + 60
+        while sum(len(v) for v in stamps.values()) < produced and time.monotonic() < deadline:
+            for msg in consumer.consume(500, timeout=1.0):
+                assert msg.error() is None
+                stamps[msg.partition()].append(msg.timestamp()[1])  # type: ignore[index]
+    finally:
+        consumer.close()
+    lo, hi = cfg.start_ms, cfg.start_ms + 5 * HOUR_MS
+    for p, ts in stamps.items():
+        assert ts == sorted(ts), f"partition {p}: chunks out of order"
+        assert lo <= ts[0] and ts[-1] < hi
+    # The chunks' hours all have records: chunk 3 is the fifth hour.
+    assert any(t >= lo + 4 * HOUR_MS for ts in stamps.values() for t in ts)
+
+
+def test_produce_history_refuses_a_bad_chunk_size(stack_settings: Settings) -> None:
+    with pytest.raises(GeneratorError, match="chunk_hours=0 must be a whole number"):
+        produce_history(stack_settings, config(hours=2), chunk_hours=0)
 
 
 @pytest.mark.parametrize(

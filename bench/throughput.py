@@ -15,6 +15,10 @@ topic, then, in one run (ratios compare within a run only):
    ``--mem-factor``x range, each materialized in a fresh subprocess (this script with
    ``--child``).
 
+``--home DIR`` keeps the broker's data and the topic: run again with the same sizes, the history
+is reused (the scale benchmark generates its 10 M records once:
+``--skip-throughput --hours 10 --events-per-hour 100000 --home /tmp/bench-scale``).
+
 Every contender runs once on a one-hour warm-up range first, so JVM start-up, class loading and
 JIT are not counted. ``--repeat N`` interleaves the contenders N times and reports the median.
 ``--profile`` also times every Spark action of one more asset run (labelled by its caller).
@@ -91,9 +95,13 @@ def resources() -> dict[str, object]:
     return {"kafka": KafkaResource(), "spark": SparkResource(), "iceberg": IcebergResource()}
 
 
+# Namespaces are unique to this process: a reused --home keeps the tables of earlier runs.
+RUN_TAG = uuid.uuid4().hex[:6]
+
+
 def use_namespace(name: str) -> None:
     """Point every later materialization at fresh tables (resources read the env per run)."""
-    os.environ["BACKFILL_NAMESPACE"] = name
+    os.environ["BACKFILL_NAMESPACE"] = f"{name}_{RUN_TAG}"
 
 
 def materialize(spec: TopicSpec, start: datetime, end: datetime) -> tuple[float, dict[str, Any]]:
@@ -354,6 +362,13 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="time each Spark action too")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument(
+        "--home",
+        help="keep the broker's data and the generated topic in this directory and reuse them "
+        "when run again with the same --hours, --events-per-hour and --mem-factor (generate "
+        "once: the scale benchmark's 10 M records take minutes to produce); default: a "
+        "temporary directory, deleted at the end",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--topic", help=argparse.SUPPRESS)
     parser.add_argument("--start", help=argparse.SUPPRESS)
@@ -365,19 +380,32 @@ def main() -> None:
         child(args)
         return
 
-    home = tempfile.mkdtemp(prefix="bench-throughput-")
+    keep = args.home is not None
+    home = os.path.abspath(args.home) if keep else tempfile.mkdtemp(prefix="bench-throughput-")
+    os.makedirs(home, exist_ok=True)
+    # Hour 0 is the warm-up range; the measured ranges start at hour 1.
+    hours = 1 + max(args.hours, 0 if args.skip_memory else args.hours * args.mem_factor)
+    history = {"hours": hours, "events_per_hour": args.events_per_hour}
+    state_path = Path(home) / "bench-history.json"
+    state: dict[str, Any] = json.loads(state_path.read_text()) if state_path.exists() else {}
+    if state and state["history"] != history:
+        raise SystemExit(
+            f"{home} holds another history ({state['history']}, this run needs {history}); "
+            "pass another --home or delete that one"
+        )
+    ports = state.get("ports") or {"kafka": free_port(), "controller": free_port()}
     os.environ.update(
         {
             "BACKFILL_HOME": home,
             "BACKFILL_JAR_CACHE": os.path.abspath(".stack/jars"),
-            "BACKFILL_KAFKA_PORT": str(free_port()),
-            "BACKFILL_KAFKA_CONTROLLER_PORT": str(free_port()),
+            "BACKFILL_KAFKA_PORT": str(ports["kafka"]),
+            "BACKFILL_KAFKA_CONTROLLER_PORT": str(ports["controller"]),
             "BACKFILL_DAGSTER_STORAGE": os.path.join(home, "dagster"),
             "PYICEBERG_HOME": os.path.join(home, "pyiceberg-home"),
             "BACKFILL_SENSORS": "off",
         }
     )
-    from backfill_assets.demo.generator import GeneratorConfig, generate
+    from backfill_assets.demo.generator import GeneratorConfig, produce_history
     from backfill_assets.stack.broker import LocalBroker
     from backfill_assets.stack.settings import Settings
 
@@ -390,23 +418,31 @@ def main() -> None:
     broker = LocalBroker(settings)
     broker.start()
     try:
-        # Hour 0 is the warm-up range; the measured ranges start at hour 1.
-        hours = 1 + max(args.hours, 0 if args.skip_memory else args.hours * args.mem_factor)
-        topic = f"bench_{uuid.uuid4().hex[:6]}"
-        began = time.monotonic()
-        truth = generate(
-            settings,
-            GeneratorConfig(
-                topic=topic,
-                start=HISTORY_START,
-                hours=hours,
-                events_per_hour=args.events_per_hour,
-            ),
-        )
-        print(
-            f"generated {truth.totals['records']:,} records over {hours} h into {topic} "
-            f"in {time.monotonic() - began:.0f}s"
-        )
+        if state:
+            topic = str(state["topic"])
+            print(f"reusing {state['records']:,} records over {hours} h in {topic} ({home})")
+        else:
+            topic = f"bench_{uuid.uuid4().hex[:6]}"
+            began = time.monotonic()
+            records = produce_history(
+                settings,
+                GeneratorConfig(
+                    topic=topic,
+                    start=HISTORY_START,
+                    hours=hours,
+                    events_per_hour=args.events_per_hour,
+                ),
+                on_progress=lambda done, total: print(
+                    f"  generated {done}/{total} h ({time.monotonic() - began:.0f}s)", flush=True
+                ),
+            )
+            print(
+                f"generated {records:,} records over {hours} h into {topic} "
+                f"in {time.monotonic() - began:.0f}s"
+            )
+            if keep:
+                state = {"history": history, "ports": ports, "topic": topic, "records": records}
+                state_path.write_text(json.dumps(state, indent=1))
         start = HISTORY_START + timedelta(hours=1)
         if not args.skip_throughput:
             throughput(args, settings, topic, start)
@@ -414,7 +450,8 @@ def main() -> None:
             memory(args, topic, start)
     finally:
         broker.stop()
-        shutil.rmtree(home, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(home, ignore_errors=True)
 
 
 def throughput(args: argparse.Namespace, settings: Settings, topic: str, start: datetime) -> None:
@@ -535,13 +572,15 @@ def memory(args: argparse.Namespace, topic: str, start: datetime) -> None:
         "(seconds include start-up):"
     )
     print(
-        f"  {'range':<6} {'records':>9} {'seconds':>8} {'python MiB':>11} {'JVM MiB':>9} "
+        f"  {'range':<6} {'records':>10} {'seconds':>8} {'records/s':>9} {'python MiB':>11} "
+        f"{'JVM MiB':>9} "
         f"{'sum MiB':>9} {'JVM old gen peak MiB':>21}"
     )
     for label, m in results:
         py, jv = m["python_kib"] / 1024, m["jvm_kib"] / 1024
         print(
-            f"  {label:<6} {int(m['records']):>9,} {m['seconds']:>8.1f} {py:>11.0f} {jv:>9.0f} "
+            f"  {label:<6} {int(m['records']):>10,} {m['seconds']:>8.1f} "
+            f"{m['records'] / m['seconds']:>9,.0f} {py:>11.0f} {jv:>9.0f} "
             f"{py + jv:>9.0f} {m['jvm_old_gen_peak_mib']:>21.0f}"
         )
     (_, small), (big, large) = results[0], results[-1]

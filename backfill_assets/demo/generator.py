@@ -789,6 +789,38 @@ def generate(
     return truth
 
 
+def produce_history(
+    settings: Settings,
+    config: GeneratorConfig,
+    chunk_hours: int = 12,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> int:
+    """Produce a long history (benchmarks: millions of records) ``chunk_hours`` at a time, so
+    the plan of the whole range is never held in memory. Each chunk is planned like
+    :func:`generate` with its own seed (duplicates and tombstones refer to orders of their own
+    chunk). No ground truth is built. Returns the records produced;
+    ``on_progress(hours done, hours)`` after each chunk."""
+    if isinstance(chunk_hours, bool) or not isinstance(chunk_hours, int) or chunk_hours < 1:
+        raise GeneratorError(f"chunk_hours={chunk_hours!r} must be a whole number >= 1")
+    admin = AdminClient(dict(settings.kafka.client_config()))
+    _prepare_topic(settings, admin, config)
+    produced = 0
+    for index, first in enumerate(range(0, config.hours, chunk_hours)):
+        chunk = replace(
+            config,
+            start=config.start + timedelta(hours=first),
+            hours=min(chunk_hours, config.hours - first),
+            seed=config.seed + index,
+        )
+        plan = plan_events(chunk)
+        _produce(settings, config.topic, plan)
+        produced += len(plan)
+        del plan
+        if on_progress is not None:
+            on_progress(first + chunk.hours, config.hours)
+    return produced
+
+
 def _kafka_error(exc: BaseException) -> KafkaError | None:
     if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError):
         return exc.args[0]
