@@ -266,3 +266,79 @@ def test_backfill_audit_and_rollback(
     ]
     assert sorted(rolled) == sorted(published)
     assert events.count("rollback") == 4
+
+
+def test_one_hour_is_launched_as_one_run(
+    orders: GroundTruth,
+    cli_env: dict[str, str],
+    dagster_services: str,
+    instance: dg.DagsterInstance,
+) -> None:
+    """One hour skips the backfill daemon: one run, tagged with its partition, straight into the
+    run queue (as the UI's Materialize of one partition); --wait follows the run."""
+    hour = datetime(2026, 6, 1, 5, tzinfo=UTC)
+    backfills_before = len(instance.get_backfills())
+    out = _cli(
+        cli_env,
+        "backfill",
+        "--start",
+        hour.isoformat(),
+        "--end",
+        "2026-06-01T06:00Z",
+        "--wait",
+        "--timeout",
+        "600",
+        "--webserver",
+        dagster_services,
+        "--json",
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads(out.stdout)
+    assert "backfill_id" not in doc
+    run_id = doc["run_id"]
+    assert {r["asset"] for r in doc["ranges"]} == {"raw/orders", "lakehouse/orders_current"}
+    assert {(r["first"], r["last"]) for r in doc["ranges"]} == {("2026-06-01-05:00",) * 2}
+    progress = doc["progress"]
+    assert progress["succeeded"] and progress["status"] == "SUCCESS"
+    assert (progress["materialized"], progress["failed"], progress["targeted"]) == (2, 0, 2)
+    assert progress["records"] == orders.kafka_hours[hour.isoformat()]["records"]
+
+    assert len(instance.get_backfills()) == backfills_before, "no backfill object"
+    run = instance.get_run_by_id(run_id)
+    assert run is not None
+    assert run.tags["dagster/partition"] == "2026-06-01-05:00"
+    assert "dagster/backfill" not in run.tags
+    assert (
+        run.tags["backfill_assets/single_partition"] == "orders 2026-06-01-05:00..2026-06-01-05:00"
+    )
+    assert run.tags["backfill_assets/launched_by"].startswith("cli:")
+    rows = json.loads(_cli(cli_env, "audit", "--run", run_id, "--json").stdout)
+    assert {r["table_name"] for r in rows if r["event"] == "publish"} == {
+        "lake.lakehouse.raw_orders",
+        "lake.lakehouse.orders_current",
+    }
+
+    # --as-backfill keeps the backfill object for one hour.
+    forced = _cli(
+        cli_env,
+        "backfill",
+        "--start",
+        hour.isoformat(),
+        "--end",
+        "2026-06-01T06:00Z",
+        "--as-backfill",
+        "--webserver",
+        dagster_services,
+        "--json",
+    )
+    assert forced.returncode == 0, forced.stderr
+    launched = json.loads(forced.stdout)["backfill_id"]
+    assert instance.get_backfill(launched) is not None
+    final = launch_wait(dagster_services, launched)
+    assert final.succeeded, final.line()
+
+
+def launch_wait(url: str, backfill_id: str) -> Any:
+    from backfill_assets.ops import launch
+
+    return launch.wait(launch.DagsterClient(url), backfill_id, poll_s=1.0, timeout_s=600)

@@ -5,8 +5,10 @@ Starts its own broker, Dagster webserver and daemon (free 127.0.0.1 ports, tempo
 ``dagster_services`` fixture starts them), writes a few hours of demo ``orders`` history, then
 launches ``--runs`` 1-hour backfills one after another (after ``--warmup`` ones that create the
 tables and are not counted) the way an operator does: ``backfill-assets backfill``'s ranges
-(raw, current state, declared tables whose hours settled), sent with the webserver's GraphQL
-mutation ``launchPartitionBackfill`` (:mod:`backfill_assets.ops.launch`).
+(raw, current state, declared tables whose hours settled), launched as the CLI launches them
+(:mod:`backfill_assets.ops.launch`): one hour as one run (GraphQL ``launchPipelineExecution``,
+as the UI's Materialize of one partition), or with ``--as-backfill`` as a backfill object
+(``launchPartitionBackfill``, which waits for the backfill daemon's next pass).
 
 Each backfill is broken down from recorded timestamps only: the backfill's own timestamps,
 the Dagster event log of its runs (RUN_ENQUEUED, RUN_DEQUEUED, RUN_STARTING, the run worker's
@@ -163,6 +165,7 @@ PHASES = (
     ("dagster_other", "step and run bookkeeping between the milestones above"),
 )
 PHASE_OF_EVENT = {
+    "LAUNCHED": "launch",  # a single run's RUN_ENQUEUED (the mutation enqueues it)
     "PIPELINE_ENQUEUED": "backfill_tick",
     "PIPELINE_DEQUEUED": "run_queue",
     "PIPELINE_STARTING": "run_queue",
@@ -220,17 +223,32 @@ def _commits(cat: Any, namespace: str, run_id: str, tables: list[str]) -> list[t
 
 
 def breakdown(
-    instance: Any, cat: Any, namespace: str, tables: list[str], backfill_id: str, clicked: float
+    instance: Any,
+    cat: Any,
+    namespace: str,
+    tables: list[str],
+    launched_id: str,
+    clicked: float,
+    *,
+    single_run: bool = False,
 ) -> dict[str, Any]:
     """Seconds per phase from click to the last ASSET_MATERIALIZATION ("published"), then to
-    the backfill's end (the next backfill daemon tick marks it completed)."""
+    the backfill's end (the next backfill daemon tick marks it completed) or the run's end.
+    A single run has no backfill object: click -> RUN_ENQUEUED is its launch."""
     import dagster as dg
 
-    backfill = instance.get_backfill(backfill_id)
-    runs = instance.get_runs(dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
-    marks: list[tuple[float, str]] = [(backfill.backfill_timestamp, "launch")]
+    if single_run:
+        backfill = None
+        runs = [instance.get_run_by_id(launched_id)]
+        marks: list[tuple[float, str]] = []
+    else:
+        backfill = instance.get_backfill(launched_id)
+        runs = instance.get_runs(dg.RunsFilter(tags={"dagster/backfill": launched_id}))
+        marks = [(backfill.backfill_timestamp, "launch")]
     for run in runs:
         events = _milestones(instance, run.run_id)
+        if single_run:
+            events = [(ts, "LAUNCHED" if k == "PIPELINE_ENQUEUED" else k, s) for ts, k, s in events]
         # a step's branch write and audited commit fall between its STEP_START and its
         # ASSET_MATERIALIZATION; a step that wrote nothing has neither.
         for ts, label in _commits(cat, namespace, run.run_id, tables):
@@ -249,11 +267,15 @@ def breakdown(
         previous = max(previous, ts)
     # within a multiprocess run, the step worker's own start splits step_launch/step_code_load
     # exactly as above; in-process runs have no step worker: their step_code_load is ~0.
-    end = backfill.backfill_end_timestamp
+    if backfill is not None:
+        end, status = backfill.backfill_end_timestamp, backfill.status.value
+    else:
+        record = instance.get_run_record_by_id(launched_id)
+        end, status = record.end_time, record.dagster_run.status.value
     return {
-        "backfill_id": backfill_id,
+        "backfill_id": launched_id,
         "runs": len(runs),
-        "status": backfill.status.value,
+        "status": status,
         "published_s": published - clicked,
         "completed_s": (end - clicked) if end else float("nan"),
         "phases": phases,
@@ -263,7 +285,8 @@ def breakdown(
 def dump_events(instance: Any, backfill_id: str, origin: float) -> None:
     import dagster as dg
 
-    for run in instance.get_runs(dg.RunsFilter(tags={"dagster/backfill": backfill_id})):
+    runs = instance.get_runs(dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
+    for run in runs or [instance.get_run_by_id(backfill_id)]:
         for entry in instance.all_logs(run.run_id):
             event = entry.dagster_event
             kind = event.event_type_value if event else "LOG"
@@ -320,6 +343,12 @@ def main() -> None:
         help="wait a random 0..S s (seeded) before each launch, so the launch falls anywhere "
         "in the backfill daemon's 30 s loop as an operator's would; 0 launches right after the "
         "previous backfill completed (just after a daemon tick: its worst case)",
+    )
+    parser.add_argument(
+        "--as-backfill",
+        action="store_true",
+        help="launch each hour as a backfill object (backfill-assets backfill --as-backfill), "
+        "not as one run",
     )
     parser.add_argument("--seed", type=int, default=13)
     parser.add_argument("--keep", action="store_true", help="keep the temporary home")
@@ -391,19 +420,33 @@ def main() -> None:
                 time.sleep(rng.uniform(0, args.stagger))
                 load = loadavg()
                 clicked = time.time()
-                backfill_id = launch.launch_backfill(
-                    client, ranges, {"backfill_assets/launched_by": "bench:latency"}, "bench"
-                )
-                final = launch.wait(client, backfill_id, poll_s=1.0, timeout_s=1200)
+                tags = {"backfill_assets/launched_by": "bench:latency"}
+                partition = None if args.as_backfill else launch.single_partition(ranges)
+                if partition is not None:
+                    keys = [key for key, _, _ in ranges]
+                    backfill_id = launch.launch_run(client, keys, partition, tags, "bench")
+                    final = launch.wait_run(
+                        client, backfill_id, len(keys), poll_s=1.0, timeout_s=1200
+                    )
+                else:
+                    backfill_id = launch.launch_backfill(client, ranges, tags, "bench")
+                    final = launch.wait(client, backfill_id, poll_s=1.0, timeout_s=1200)
                 if not final.succeeded:
-                    raise RuntimeError(f"backfill {backfill_id} ended {final.line()}")
+                    raise RuntimeError(f"{backfill_id} ended {final.line()}")
                 row = breakdown(
-                    instance, cat, settings.catalog.namespace, tables, backfill_id, clicked
+                    instance,
+                    cat,
+                    settings.catalog.namespace,
+                    tables,
+                    backfill_id,
+                    clicked,
+                    single_run=partition is not None,
                 )
                 row["load"] = f"{load} -> {loadavg()}"
                 warm = i < args.warmup
                 print(
-                    f"{'warm-up ' if warm else ''}backfill {backfill_id} "
+                    f"{'warm-up ' if warm else ''}{'run' if partition else 'backfill'} "
+                    f"{backfill_id} "
                     f"{first:{PARTITION_FMT}}: published {row['published_s']:.1f} s, "
                     f"completed {row['completed_s']:.1f} s, {row['runs']} run(s), "
                     f"load {row['load']}",

@@ -724,6 +724,12 @@ def _plan_facts(human: str) -> tuple[str, Table]:
 @click.option("--wait", is_flag=True, help="show progress until it ends")
 @click.option("--timeout", type=float, help="seconds to wait at most")
 @click.option("--webserver", help="webserver URL (default from BACKFILL_WEBSERVER_*)")
+@click.option(
+    "--as-backfill",
+    is_flag=True,
+    help="a backfill object even for one hour (by default one hour is one run, as the UI's "
+    "Materialize launches it: it skips the backfill daemon's pass of up to 30 s)",
+)
 @_with_ui
 def backfill_command(
     ui: Ui,
@@ -734,9 +740,10 @@ def backfill_command(
     wait: bool,
     timeout: float | None,
     webserver: str | None,
+    as_backfill: bool,
 ) -> int:
-    """Launch a Dagster partition backfill (as the UI does). With --wait, exits 1 unless every
-    asset partition succeeded."""
+    """Launch a Dagster partition backfill (as the UI does); a single hour is launched as one run
+    unless --as-backfill. With --wait, exits 1 unless every asset partition succeeded."""
     from backfill_assets.ops import launch
 
     spec, first_hour, end_hour = _topic_range(topic, start, end)
@@ -750,42 +757,40 @@ def backfill_command(
         webserver or f"http://{settings.webserver_host}:{settings.webserver_port}"
     )
     title = f"{spec.topic} {first_hour:{PARTITION_FMT}}..{last:{PARTITION_FMT}}"
-    backfill_id = launch.launch_backfill(
-        client,
-        [
-            (key, f"{first:{PARTITION_FMT}}", f"{stop:{PARTITION_FMT}}")
-            for key, first, stop in ranges
-        ],
-        {"backfill_assets/launched_by": f"cli:{getpass.getuser()}"},
-        title=title,
-    )
+    keyed = [
+        (key, f"{first:{PARTITION_FMT}}", f"{stop:{PARTITION_FMT}}") for key, first, stop in ranges
+    ]
+    tags = {"backfill_assets/launched_by": f"cli:{getpass.getuser()}"}
+    partition = None if as_backfill else launch.single_partition(keyed)
+    if partition is not None:
+        launched_id = launch.launch_run(client, [k for k, _, _ in keyed], partition, tags, title)
+        kind, where, audit_flag = "run", "Runs", "--run"
+    else:
+        launched_id = launch.launch_backfill(client, keyed, tags, title=title)
+        kind, where, audit_flag = "backfill", "Overview -> Backfills", "--backfill"
     doc: dict[str, Any] = {
-        "backfill_id": backfill_id,
+        f"{kind}_id": launched_id,
         "title": title,
         "ranges": [
-            {
-                "asset": key.to_user_string(),
-                "first": f"{first:{PARTITION_FMT}}",
-                "last": f"{stop:{PARTITION_FMT}}",
-            }
-            for key, first, stop in ranges
+            {"asset": key.to_user_string(), "first": first, "last": stop}
+            for key, first, stop in keyed
         ],
     }
     for r in doc["ranges"]:
-        ui.line(f"launched backfill {backfill_id}: {r['asset']} {r['first']}...{r['last']}")
+        ui.line(f"launched {kind} {launched_id}: {r['asset']} {r['first']}...{r['last']}")
     if not wait:
-        ui.line("follow it in the Dagster UI (Overview -> Backfills) or re-run with --wait")
+        ui.line(f"follow it in the Dagster UI ({where}) or re-run with --wait")
         ui.emit(doc)
         return 0
-    final = _watch_backfill(ui, client, backfill_id, timeout)
+    final = _watch_backfill(ui, client, kind, launched_id, len(keyed), timeout)
     doc["progress"] = {**asdict(final), "succeeded": final.succeeded}
     ui.emit(doc)
-    ui.line(f"backfill {backfill_id}: {_backfill_line(final)}")
+    ui.line(f"{kind} {launched_id}: {_backfill_line(final)}")
     if not final.succeeded:
         ui.note(
-            f"error: backfill {backfill_id} ended {final.status} with {final.failed} failed "
-            "asset partition(s); open it in the Dagster UI for the failed checks and runs, then "
-            f"`backfill-assets audit --backfill {backfill_id}`"
+            f"error: {kind} {launched_id} ended {final.status} with {final.failed} failed "
+            f"asset partition(s); open it in the Dagster UI ({where}) for the failed checks and "
+            f"runs, then `backfill-assets audit {audit_flag} {launched_id}`"
         )
         return 1
     return 0
@@ -800,10 +805,18 @@ def _backfill_line(p: BackfillProgress) -> str:
 
 
 def _watch_backfill(
-    ui: Ui, client: Any, backfill_id: str, timeout: float | None
+    ui: Ui, client: Any, kind: str, launched_id: str, targeted: int, timeout: float | None
 ) -> BackfillProgress:
-    """Poll the backfill until it ends: a live bar on a terminal, else a line per change."""
+    """Poll the backfill (or single-partition run) until it ends: a live bar on a terminal, else
+    a line per change."""
     from backfill_assets.ops import launch
+
+    def follow(on_progress: Callable[[BackfillProgress], None]) -> BackfillProgress:
+        if kind == "run":
+            return launch.wait_run(
+                client, launched_id, targeted, timeout_s=timeout, on_progress=on_progress
+            )
+        return launch.wait(client, launched_id, timeout_s=timeout, on_progress=on_progress)
 
     if not ui.err.is_terminal:
         last = [""]
@@ -812,10 +825,10 @@ def _watch_backfill(
             # A line per change of partitions, records or status (not per poll).
             state = f"{p.done} {p.failed} {p.records} {p.status}"
             if state != last[0]:
-                ui.note(f"{backfill_id} {_backfill_line(p)}")
+                ui.note(f"{launched_id} {_backfill_line(p)}")
             last[0] = state
 
-        return launch.wait(client, backfill_id, timeout_s=timeout, on_progress=log)
+        return follow(log)
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -827,7 +840,7 @@ def _watch_backfill(
         TextColumn("{task.fields[detail]}"),
         console=ui.err,
     ) as bar:
-        task = bar.add_task(backfill_id, total=None, detail="")
+        task = bar.add_task(launched_id, total=None, detail="")
 
         def show(p: BackfillProgress) -> None:
             bar.update(
@@ -837,7 +850,7 @@ def _watch_backfill(
                 detail=f"{p.failed} failed, {p.records:,} records, {p.rate:,.0f} rec/s, {p.status}",
             )
 
-        return launch.wait(client, backfill_id, timeout_s=timeout, on_progress=show)
+        return follow(show)
 
 
 # -- audit, rollback ---------------------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""Launch and follow Dagster partition backfills through the webserver's GraphQL API.
+"""Launch and follow Dagster partition backfills and runs through the webserver's GraphQL API.
 
-This is the same API and the same backfill object the Dagster UI uses: a backfill launched
-here is listed under Overview -> Backfills, is executed by the daemon with the assets'
-BackfillPolicy and the run queue limits of dagster.yaml, and can be cancelled from the UI.
+This is the same API the Dagster UI uses. A range of partitions becomes a backfill object:
+listed under Overview -> Backfills, executed by the backfill daemon with the assets' BackfillPolicy
+and the run queue limits of dagster.yaml, cancellable from the UI. A single partition becomes one
+run, as the UI's Materialize does when one partition is selected: it goes straight to the run
+queue and does not wait for the backfill daemon's next pass (up to 30 s, fixed in Dagster 1.13).
 """
 
 from __future__ import annotations
@@ -80,8 +82,59 @@ query Runs($id: String!) {
 }
 """
 
-TERMINAL = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"}
-SUCCESS = {"COMPLETED", "COMPLETED_SUCCESS"}
+ASSET_JOB = """
+query AssetJob($key: AssetKeyInput!) {
+  assetNodeOrError(assetKey: $key) {
+    __typename
+    ... on AssetNode { jobNames repository { name location { name } } }
+    ... on AssetNotFoundError { message }
+  }
+}
+"""
+
+LAUNCH_RUN = """
+mutation LaunchRun($params: ExecutionParams!) {
+  launchPipelineExecution(executionParams: $params) {
+    __typename
+    ... on LaunchRunSuccess { run { runId } }
+    ... on PythonError { message }
+    ... on InvalidSubsetError { message }
+    ... on PipelineNotFoundError { message }
+    ... on RunConflict { message }
+    ... on UnauthorizedError { message }
+    ... on ConflictingExecutionParamsError { message }
+    ... on PresetNotFoundError { message }
+    ... on RunConfigValidationInvalid { errors { message } }
+  }
+}
+"""
+
+RUN_STATUS = """
+query RunStatus($id: ID!) {
+  runOrError(runId: $id) {
+    __typename
+    ... on Run {
+      runId
+      status
+      assetMaterializations {
+        assetKey { path }
+        metadataEntries { label ... on IntMetadataEntry { intValue } }
+      }
+    }
+    ... on RunNotFoundError { message }
+    ... on PythonError { message }
+  }
+}
+"""
+
+# Backfill statuses, then run statuses.
+TERMINAL = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"} | {
+    "SUCCESS",
+    "FAILURE",
+}
+SUCCESS = {"COMPLETED", "COMPLETED_SUCCESS", "SUCCESS"}
+# Tag of the runs launched by :func:`launch_run`; dagster.yaml caps them like backfill runs.
+SINGLE_RUN_TAG = "backfill_assets/single_partition"
 
 
 class LaunchError(BackfillError):
@@ -90,7 +143,7 @@ class LaunchError(BackfillError):
 
 @dataclass
 class Progress:
-    backfill_id: str
+    id: str  # the backfill id, or the run id of a single-partition run
     status: str
     targeted: int
     materialized: int
@@ -199,7 +252,7 @@ def progress(client: DagsterClient, backfill_id: str, started: float) -> Progres
         if s["__typename"] == "AssetPartitionsStatusCounts"
     ]
     return Progress(
-        backfill_id=backfill_id,
+        id=backfill_id,
         status=data["status"],
         targeted=sum(s["numPartitionsTargeted"] for s in statuses),
         materialized=sum(s["numPartitionsMaterialized"] for s in statuses),
@@ -219,17 +272,132 @@ def wait(
     on_progress: Callable[[Progress], None] | None = None,
 ) -> Progress:
     """Poll until the backfill ends (or ``timeout_s`` passes); return the last progress."""
+    return _poll(
+        lambda started: progress(client, backfill_id, started),
+        f"backfill {backfill_id}",
+        "Overview -> Backfills",
+        poll_s=poll_s,
+        timeout_s=timeout_s,
+        on_progress=on_progress,
+    )
+
+
+def single_partition(ranges: Sequence[tuple[dg.AssetKey, str, str]]) -> str | None:
+    """The partition key when every asset of ``ranges`` covers the same one partition."""
+    bounds = {(first, last) for _, first, last in ranges}
+    if len(bounds) == 1:
+        first, last = bounds.pop()
+        if first == last:
+            return first
+    return None
+
+
+def launch_run(
+    client: DagsterClient,
+    keys: Sequence[dg.AssetKey],
+    partition: str,
+    tags: dict[str, str],
+    title: str,
+) -> str:
+    """Launch one run of ``keys`` (with their blocking checks) for one partition, as the UI's
+    Materialize does; return its run id. The run goes to the run queue at once."""
+    if not keys:
+        raise LaunchError("launch_run needs at least one asset key")
+    node = client.query(ASSET_JOB, {"key": {"path": list(keys[0].path)}})["assetNodeOrError"]
+    if node["__typename"] != "AssetNode":
+        raise LaunchError(
+            f"the webserver does not know asset {keys[0].to_user_string()}: "
+            f"{node.get('message', node['__typename'])}"
+        )
+    jobs = [name for name in node["jobNames"] if name.startswith("__ASSET_JOB")]
+    if not jobs:
+        raise LaunchError(
+            f"asset {keys[0].to_user_string()} is in no implicit asset job ({node['jobNames']})"
+        )
+    run_tags = {**tags, "dagster/partition": partition, SINGLE_RUN_TAG: title}
+    params = {
+        "selector": {
+            "repositoryLocationName": node["repository"]["location"]["name"],
+            "repositoryName": node["repository"]["name"],
+            "pipelineName": jobs[0],
+            "assetSelection": [{"path": list(key.path)} for key in keys],
+        },
+        "mode": "default",
+        "executionMetadata": {
+            "tags": [{"key": k, "value": v} for k, v in sorted(run_tags.items())]
+        },
+    }
+    result = client.query(LAUNCH_RUN, {"params": params})["launchPipelineExecution"]
+    if result["__typename"] != "LaunchRunSuccess":
+        detail = result.get("message") or "; ".join(
+            e["message"] for e in result.get("errors") or []
+        )
+        raise LaunchError(
+            f"the webserver refused the run ({result['__typename']}): {detail.strip()[:500]}"
+        )
+    return str(result["run"]["runId"])
+
+
+def run_progress(client: DagsterClient, run_id: str, targeted: int, started: float) -> Progress:
+    """A single-partition run as a :class:`Progress` of ``targeted`` asset partitions."""
+    data = client.query(RUN_STATUS, {"id": run_id})["runOrError"]
+    if data["__typename"] != "Run":
+        raise LaunchError(f"run {run_id}: {data.get('message', data['__typename'])}")
+    done = {tuple(m["assetKey"]["path"]) for m in data["assetMaterializations"]}
+    status = str(data["status"])
+    left = max(targeted - len(done), 0)
+    return Progress(
+        id=run_id,
+        status=status,
+        targeted=targeted,
+        materialized=len(done),
+        failed=left if status in TERMINAL and status not in SUCCESS else 0,
+        in_progress=0 if status in TERMINAL else left,
+        records=_raw_records([data]),
+        elapsed_s=time.monotonic() - started,
+    )
+
+
+def wait_run(
+    client: DagsterClient,
+    run_id: str,
+    targeted: int,
+    *,
+    poll_s: float = 2.0,
+    timeout_s: float | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+) -> Progress:
+    """Poll until the run ends (or ``timeout_s`` passes); return the last progress."""
+    return _poll(
+        lambda started: run_progress(client, run_id, targeted, started),
+        f"run {run_id}",
+        "Runs",
+        poll_s=poll_s,
+        timeout_s=timeout_s,
+        on_progress=on_progress,
+    )
+
+
+def _poll(
+    fetch: Callable[[float], Progress],
+    what: str,
+    where: str,
+    *,
+    poll_s: float,
+    timeout_s: float | None,
+    on_progress: Callable[[Progress], None] | None,
+) -> Progress:
     started = time.monotonic()
     while True:
-        current = progress(client, backfill_id, started)
+        current = fetch(started)
         if on_progress is not None:
             on_progress(current)
         if current.finished:
             return current
         if timeout_s is not None and current.elapsed_s > timeout_s:
             raise LaunchError(
-                f"backfill {backfill_id} still {current.status} after {timeout_s:.0f}s; it "
-                "keeps running in Dagster (see Overview -> Backfills)"
+                f"{what} still {current.status} after {timeout_s:.0f}s; it keeps running in "
+                f"Dagster (see {where})"
             )
         time.sleep(poll_s)
 
@@ -237,14 +405,18 @@ def wait(
 def _records_read(client: DagsterClient, backfill_id: str) -> int:
     """Records read by the backfill's finished raw materializations (one figure per run)."""
     data = client.query(RUN_METADATA, {"id": backfill_id})["runsOrError"]
+    return _raw_records(data.get("results", []))
+
+
+def _raw_records(runs: Sequence[dict[str, Any]]) -> int:
+    """The ``records_read`` of each run's first raw materialization, summed."""
     total = 0
-    for run in data.get("results", []):
-        seen = False
+    for run in runs:
         for mat in run["assetMaterializations"]:
-            if mat["assetKey"]["path"][0] != "raw" or seen:
+            if mat["assetKey"]["path"][0] != "raw":
                 continue
-            for entry in mat["metadataEntries"]:
-                if entry["label"] == "records_read":
-                    total += int(entry.get("intValue") or 0)
-                    seen = True
+            entries = {e["label"]: e for e in mat["metadataEntries"]}
+            if "records_read" in entries:
+                total += int(entries["records_read"].get("intValue") or 0)
+                break
     return total
