@@ -433,28 +433,10 @@ def _kafka() -> KafkaResource:
 def _ranges(
     spec: TopicSpec, start: datetime, end: datetime
 ) -> list[tuple[list[dg.AssetKey], datetime, datetime]]:
-    """What a backfill of Kafka hours [start, end) materializes, in dependency order: the raw
-    and current-state tables over [start, end); each declared table over the event-time hours
-    whose inputs all arrived within the range: [start, end - lateness) for a table reading a
-    topic, the hours its declared inputs cover for one reading declared tables."""
-    from backfill_assets.defs.assets import current_asset_key, raw_asset_key, table_asset_key
-    from backfill_assets.defs.definitions import SPECS
-    from backfill_assets.lake import declared
+    """What a backfill of [start, end) materializes (:func:`planner.backfill_ranges`)."""
+    from backfill_assets.ops.planner import backfill_ranges
 
-    known = declared.relations(SPECS)
-    settled: dict[str, datetime] = {}
-    out = [([raw_asset_key(spec), current_asset_key(spec)], start, end)]
-    for table in declared.ordered(SPECS):
-        ends = [
-            settled.get(ref, end)
-            if known[ref].kind == "table"
-            else end - timedelta(hours=table.lateness_hours)
-            for ref in table.refs
-        ]
-        settled[table.name] = min(ends, default=end)
-        if table.topic == spec.topic and settled[table.name] > start:
-            out.append(([table_asset_key(table.name)], start, settled[table.name]))
-    return out
+    return backfill_ranges(spec, start, end)
 
 
 def _topic_range(topic: str, start: str, end: str) -> tuple[TopicSpec, datetime, datetime]:

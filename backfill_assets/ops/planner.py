@@ -25,16 +25,23 @@ from backfill_assets.lake.windows import WindowError, WindowNotSealed
 from backfill_assets.stack import catalog
 
 SAMPLE_RECORDS = 2000
-# Fixed cost of one run (process, Spark session, branch, checks, publish), used until history
-# has measured it. Measured on the demo stack: see the issue closing notes.
-RUN_OVERHEAD_S = 25.0
-DEFAULT_WRITE_RATIO = 0.6
-# Time from launch until the daemon starts the first run (backfill daemon tick + run queue);
-# observed ~19 s on the demo stack.
-DAEMON_LATENCY_S = 20.0
-# The event-time table runs after the raw runs it depends on; its run's wall time until
-# history has measured it (observed 36 s on the demo stack).
-HOURLY_TAIL_S = 35.0  # Parquet bytes written per Kafka byte read, until measured
+# Fixed cost of one run (Spark session, branch, checks, publish: RUN_START to RUN_SUCCESS),
+# used until history has measured it (bench/latency.py: ~30 s for a 1-hour run of the demo).
+RUN_OVERHEAD_S = 30.0
+DEFAULT_WRITE_RATIO = 0.6  # Parquet bytes written per Kafka byte read, until measured
+# From launch to RUN_START of the first run, by how it is launched (bench/latency.py): a
+# single-hour run goes straight to the run queue (dequeued every 1 s, then the run worker
+# starts and loads the code); a backfill object first waits for the backfill daemon's pass
+# (every 30 s: 15 s on average). The same wait comes again before the declared tables' runs,
+# which the daemon launches once the raw runs they read have ended.
+RUN_START_S = 3.5
+DAEMON_WAIT_S = 15.0
+# A declared table's run, until history has measured it.
+DECLARED_RUN_S = 35.0
+# Confidence: a fit whose median error over its own history is within this is "high", within
+# twice this "medium"; extrapolating beyond EXTRAPOLATION x the largest earlier run lowers it.
+FIT_ERROR_HIGH = 0.15
+EXTRAPOLATION = 3.0
 COST_YELLOW_BYTES = 10 * 2**30
 COST_RED_BYTES = 100 * 2**30
 
@@ -77,6 +84,12 @@ class Plan:
     scorecard: list[Score] = field(default_factory=list)
     # Why the range cannot be mapped to offsets now (a run would refuse), or None.
     blocked: str | None = None
+    # How it would be launched ("one run" for a single hour, else "backfill"), the predicted
+    # seconds per phase (they add up to predicted_duration_s) and how far to trust them.
+    launched_as: str = "backfill"
+    predicted_breakdown: dict[str, float] = field(default_factory=dict)
+    confidence: str = "low"
+    confidence_basis: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -133,7 +146,11 @@ class Plan:
                 + ("fits" if self.fits_window else "DOES NOT FIT")
                 if self.window_s is not None
                 else ""
-            ),
+            )
+            + f"; launched as {self.launched_as}",
+            "  breakdown    "
+            + ", ".join(f"{k} {_duration(v)}" for k, v in self.predicted_breakdown.items()),
+            f"  confidence   {self.confidence}: {self.confidence_basis}",
             f"  cost         read {_size(self.estimated_bytes)}, write ~"
             f"{_size(self.bytes_written_estimate)}, ~{self.files_estimate} data files",
             "  readiness",
@@ -183,39 +200,27 @@ def make_plan(
     sample = _sample(kafka, contract, spec)
     history = _history(instance, raw_asset_key(spec)) if instance is not None else {}
     per_run_history = list(history.values())[:20]
-    overhead, rate, source = _fit(per_run_history, sample["rate"])
     ratios = [h["write_ratio"] for h in per_run_history if h["write_ratio"]]
     ratio = statistics.median(ratios) if ratios else DEFAULT_WRITE_RATIO
     runs = max(1, math.ceil(partitions / BACKFILL_POLICY.max_partitions_per_run))  # type: ignore[operator]
-    waves = math.ceil(runs / max(1, concurrency))
-    per_run_records = contract.records / runs
-    finished = _backfill_history(instance, raw_asset_key(spec), history) if instance else []
-    if len({r for r, _ in finished}) >= 2:
-        # Whole earlier backfills (launch to last run end): includes the daemon's latencies.
-        slope, intercept = statistics.linear_regression(
-            [r for r, _ in finished], [w for _, w in finished]
-        )
-        fixed = max(intercept, 0.0)
-        per_record = max(slope, 0.0)
-        predicted = fixed + waves * per_run_records * per_record + (runs - 1) * overhead
-        source += f"; whole-backfill fit over {len(finished)} earlier backfills"
-    else:
-        tail = HOURLY_TAIL_S
-        if instance is not None:
-            # The declared tables run after the raw table: the slowest one's median run.
-            medians = [
-                statistics.median(t)
-                for table in spec.tables
-                if (
-                    t := [
-                        h["wall_s"]
-                        for h in _history(instance, table_asset_key(table.name)).values()
-                    ]
-                )
-            ]
-            tail = max(medians) if medians else HOURLY_TAIL_S
-        per_run = overhead + (per_run_records / rate if rate > 0 else 0.0)
-        predicted = DAEMON_LATENCY_S + waves * per_run + tail
+    declared_tables = [key for keys, _, _ in backfill_ranges(spec, start, end)[1:] for key in keys]
+    declared_walls = [
+        h["wall_s"]
+        for key in declared_tables
+        for h in (_history(instance, key).values() if instance is not None else [])
+    ]
+    estimate = predict(
+        records=contract.records,
+        partitions=partitions,
+        runs=runs,
+        concurrency=concurrency,
+        history=[(h["records"], h["wall_s"]) for h in per_run_history],
+        sample_rate=sample["rate"],
+        declared_tables=len(declared_tables),
+        declared_walls=declared_walls,
+    )
+    overhead, rate, source = estimate.overhead_s, estimate.rate, estimate.source
+    predicted = estimate.total_s
     est_bytes = int(sample["avg_bytes"] * contract.records)
     window_s = window.total_seconds() if window is not None else None
     fits = None if window_s is None else predicted <= window_s
@@ -246,9 +251,126 @@ def make_plan(
         fits_window=fits,
         bytes_written_estimate=int(est_bytes * ratio),
         files_estimate=partitions * 3,
+        launched_as=estimate.launched_as,
+        predicted_breakdown=estimate.breakdown,
+        confidence=estimate.confidence,
+        confidence_basis=estimate.basis,
     )
     plan.scorecard = _scorecard(plan, spec, end)
     return plan
+
+
+@dataclass
+class Estimate:
+    """The planner's duration model; ``breakdown`` adds up to ``total_s``."""
+
+    overhead_s: float  # fixed seconds per raw run
+    rate: float  # records per second within a run
+    source: str
+    launched_as: str
+    breakdown: dict[str, float]
+    confidence: str
+    basis: str
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.breakdown.values())
+
+
+def predict(
+    *,
+    records: int,
+    partitions: int,
+    runs: int,
+    concurrency: int,
+    history: list[tuple[float, float]],
+    sample_rate: float,
+    declared_tables: int,
+    declared_walls: list[float],
+) -> Estimate:
+    """Launch-to-published seconds of a range, phase by phase.
+
+    ``history`` holds (records, wall seconds) of earlier raw runs (RUN_START to RUN_SUCCESS,
+    current-state table included); a line through them gives the fixed seconds per run and the
+    records per second. ``declared_walls`` are earlier runs of the declared tables the range
+    also materializes (``declared_tables`` of them, launched together after the raw runs)."""
+    overhead, rate, source = _fit(history, sample_rate)
+    single = partitions == 1
+    waves = math.ceil(runs / max(1, concurrency))
+    per_run = records / runs
+    breakdown = {
+        "launch": RUN_START_S if single else DAEMON_WAIT_S + RUN_START_S,
+        "raw runs": waves * (overhead + (per_run / rate if rate > 0 else 0.0)),
+    }
+    if declared_tables:
+        wall = statistics.median(declared_walls) if declared_walls else DECLARED_RUN_S
+        breakdown["declared tables"] = DAEMON_WAIT_S + RUN_START_S + wall
+    confidence, basis = _confidence(history, overhead, rate, per_run)
+    if declared_tables and not declared_walls:
+        basis += f"; declared tables: default {DECLARED_RUN_S:.0f}s per run (no earlier runs)"
+    if not single:
+        basis += (
+            f"; the backfill daemon's pass (every 30 s) adds 0-30 s per stage, counted as "
+            f"{DAEMON_WAIT_S:.0f}s"
+        )
+    return Estimate(
+        overhead_s=overhead,
+        rate=rate,
+        source=source,
+        launched_as="one run" if single else "backfill",
+        breakdown=breakdown,
+        confidence=confidence,
+        basis=basis,
+    )
+
+
+def _confidence(
+    history: list[tuple[float, float]], overhead: float, rate: float, per_run: float
+) -> tuple[str, str]:
+    """How far the fitted line can be trusted for a run of ``per_run`` records."""
+    if not history:
+        return "low", "no earlier runs: default overhead and the rate of a sample read"
+    sizes = [r for r, _ in history]
+    errors = [abs(overhead + r / rate - w) / w for r, w in history if w > 0 and rate > 0]
+    error = statistics.median(errors) if errors else 1.0
+    basis = (
+        f"{len(history)} earlier runs of {min(sizes):,.0f}-{max(sizes):,.0f} records, the fit "
+        f"off by {100 * error:.0f}% (median) on them"
+    )
+    if len(set(sizes)) < 2 or len(history) < 3:
+        return "low", basis + " (too few runs of different sizes for a fit)"
+    if per_run > EXTRAPOLATION * max(sizes):
+        return "medium", basis + f"; this run ({per_run:,.0f} records) is beyond them"
+    if error <= FIT_ERROR_HIGH:
+        return "high", basis
+    return ("medium" if error <= 2 * FIT_ERROR_HIGH else "low"), basis
+
+
+def backfill_ranges(
+    spec: TopicSpec, start: datetime, end: datetime
+) -> list[tuple[list[dg.AssetKey], datetime, datetime]]:
+    """What a backfill of Kafka hours [start, end) materializes, in dependency order: the raw
+    and current-state tables over [start, end); each declared table over the event-time hours
+    whose inputs all arrived within the range: [start, end - lateness) for a table reading a
+    topic, the hours its declared inputs cover for one reading declared tables."""
+    from backfill_assets.defs.assets import current_asset_key
+    from backfill_assets.defs.definitions import SPECS
+    from backfill_assets.lake import declared
+
+    known = declared.relations(SPECS)
+    settled: dict[str, datetime] = {}
+    out = [([raw_asset_key(spec), current_asset_key(spec)], start, end)]
+    for table in declared.ordered(SPECS):
+        ends = [
+            settled.get(ref, end)
+            if known[ref].kind == "table"
+            else end - timedelta(hours=table.lateness_hours)
+            for ref in table.refs
+        ]
+        settled[table.name] = min(ends, default=end)
+        if table.topic == spec.topic and settled[table.name] > start:
+            out.append(([table_asset_key(table.name)], start, settled[table.name]))
+    return out
 
 
 def _blocked(
@@ -472,36 +594,18 @@ def _history(instance: dg.DagsterInstance, key: dg.AssetKey) -> dict[str, dict[s
     return per_run
 
 
-def _backfill_history(
-    instance: dg.DagsterInstance, key: dg.AssetKey, runs: dict[str, dict[str, float]]
-) -> list[tuple[float, float]]:
-    """(records, wall seconds from launch to the end of its last run) of finished backfills."""
-    out = []
-    for backfill in instance.get_backfills(limit=50):
-        if backfill.status.value not in ("COMPLETED", "COMPLETED_SUCCESS"):
-            continue
-        if key not in (backfill.asset_selection or []):
-            continue
-        records = instance.get_run_records(
-            dg.RunsFilter(tags={"dagster/backfill": backfill.backfill_id})
-        )
-        ends = [r.end_time for r in records if r.end_time is not None]
-        total = sum(
-            runs[r.dagster_run.run_id]["records"] for r in records if r.dagster_run.run_id in runs
-        )
-        if ends and total:
-            out.append((float(total), max(ends) - backfill.backfill_timestamp))
-    return out
-
-
-def _fit(history: list[dict[str, float]], sample_rate: float) -> tuple[float, float, str]:
-    """(fixed seconds per run, records per second) from run history, else defaults."""
-    xs = [h["records"] for h in history]
-    ys = [h["wall_s"] for h in history]
+def _fit(history: list[tuple[float, float]], sample_rate: float) -> tuple[float, float, str]:
+    """(fixed seconds per run, records per second, where they come from): a least-squares line
+    through earlier runs' (records, wall seconds), else defaults."""
+    xs = [r for r, _ in history]
+    ys = [w for _, w in history]
     if len(set(xs)) >= 2:
         slope, intercept = statistics.linear_regression(xs, ys)
-        if slope > 0:
-            return max(intercept, 0.0), 1.0 / slope, f"fit over {len(xs)} earlier runs"
+        if slope > 0 and intercept >= 0:
+            return intercept, 1.0 / slope, f"fit over {len(xs)} earlier runs"
+        if slope > 0:  # a negative fixed cost: keep the rate through the origin
+            rate = sum(xs) / sum(ys)
+            return 0.0, rate, f"fit over {len(xs)} earlier runs (no fixed cost)"
     if history:
         overhead = min(RUN_OVERHEAD_S, statistics.median(ys) * 0.9)
         spent = statistics.median(y - overhead for y in ys)

@@ -1,0 +1,106 @@
+"""The planner's duration model: its breakdown, its fit over earlier runs and its confidence.
+Pure functions: no stack (bench/planner.py measures the predictions against real backfills)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from backfill_assets.ops import planner
+from backfill_assets.ops.planner import (
+    DAEMON_WAIT_S,
+    DECLARED_RUN_S,
+    RUN_OVERHEAD_S,
+    RUN_START_S,
+    predict,
+)
+
+# Earlier runs on an exact line: 20 s fixed + 100 records/s.
+LINE = [(r, 20.0 + r / 100) for r in (100.0, 1_000.0, 5_000.0)]
+
+
+def _predict(**overrides: object) -> planner.Estimate:
+    args: dict[str, object] = {
+        "records": 3_000,
+        "partitions": 6,
+        "runs": 1,
+        "concurrency": 2,
+        "history": LINE,
+        "sample_rate": 1_000.0,
+        "declared_tables": 0,
+        "declared_walls": [],
+    }
+    args.update(overrides)
+    return predict(**args)  # type: ignore[arg-type]
+
+
+def test_one_hour_is_one_run_without_the_daemons_wait() -> None:
+    est = _predict(records=300, partitions=1)
+    assert est.launched_as == "one run"
+    assert est.breakdown == pytest.approx({"launch": RUN_START_S, "raw runs": 20.0 + 3.0})
+    assert est.total_s == pytest.approx(RUN_START_S + 23.0)
+
+
+def test_a_range_waits_for_the_backfill_daemon_before_raw_and_declared_runs() -> None:
+    est = _predict(declared_tables=2, declared_walls=[30.0, 40.0, 50.0])
+    assert est.launched_as == "backfill"
+    assert est.breakdown == pytest.approx(
+        {
+            "launch": DAEMON_WAIT_S + RUN_START_S,
+            "raw runs": 20.0 + 30.0,
+            "declared tables": DAEMON_WAIT_S + RUN_START_S + 40.0,
+        }
+    )
+    assert est.total_s == pytest.approx(sum(est.breakdown.values()))
+    assert "backfill daemon" in est.basis
+
+
+def test_the_fit_recovers_fixed_cost_and_rate_and_is_confident_inside_its_history() -> None:
+    est = _predict()
+    assert (est.overhead_s, est.rate) == pytest.approx((20.0, 100.0))
+    assert est.confidence == "high"
+    assert "3 earlier runs of 100-5,000 records" in est.basis and "off by 0%" in est.basis
+
+
+def test_runs_beyond_the_history_lower_the_confidence() -> None:
+    est = _predict(records=50_000)
+    assert est.confidence == "medium"
+    assert "beyond them" in est.basis
+    assert est.breakdown["raw runs"] == pytest.approx(20.0 + 500.0)
+
+
+def test_scattered_history_lowers_the_confidence() -> None:
+    noisy = [(100.0, 10.0), (1_000.0, 60.0), (2_000.0, 30.0), (3_000.0, 90.0)]
+    est = _predict(history=noisy)
+    assert est.confidence in ("medium", "low")
+    assert est.confidence != "high"
+
+
+def test_waves_of_runs_follow_the_concurrency() -> None:
+    est = _predict(records=8_000, partitions=400, runs=4, concurrency=2)
+    # 4 runs of 2,000 records, 2 at a time: 2 waves of 20 s + 20 s.
+    assert est.breakdown["raw runs"] == pytest.approx(2 * (20.0 + 20.0))
+
+
+def test_without_history_the_defaults_are_said_to_be_defaults() -> None:
+    est = _predict(history=[], declared_tables=1)
+    assert (est.overhead_s, est.rate) == (RUN_OVERHEAD_S, 1_000.0)
+    assert est.confidence == "low"
+    assert "no earlier runs" in est.basis
+    assert est.breakdown["declared tables"] == pytest.approx(
+        DAEMON_WAIT_S + RUN_START_S + DECLARED_RUN_S
+    )
+
+
+def test_backfill_ranges_leave_out_declared_tables_whose_hours_have_not_settled() -> None:
+    from backfill_assets.defs.definitions import SPECS
+
+    spec = next(s for s in SPECS if s.topic == "orders")
+    start = datetime(2026, 6, 1, tzinfo=UTC)
+    one = planner.backfill_ranges(spec, start, start + timedelta(hours=1))
+    assert [[k.to_user_string() for k in keys] for keys, _, _ in one] == [
+        ["raw/orders", "lakehouse/orders_current"]
+    ]
+    week = planner.backfill_ranges(spec, start, start + timedelta(days=7))
+    assert len(week) > 1 and all(a == start for _, a, _ in week)
