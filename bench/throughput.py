@@ -249,6 +249,17 @@ def jvm_old_gen_peak_mib(spark: SparkSession) -> float:
     return used / 2**20
 
 
+def jvm_live_heap_mib(spark: SparkSession) -> float:
+    """The JVM heap still in use after a full GC: what the run left reachable."""
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    jvm.java.lang.System.gc()
+    pools = jvm.java.lang.management.ManagementFactory.getMemoryPoolMXBeans()
+    heap = jvm.java.lang.management.MemoryType.HEAP
+    used = sum(int(p.getUsage().getUsed()) for p in pools if p.getType() == heap)
+    return used / 2**20
+
+
 def child(args: argparse.Namespace) -> None:
     """One materialization in this fresh process; print its peak memory as one JSON line."""
     from backfill_assets.stack import spark as spark_mod
@@ -267,6 +278,7 @@ def child(args: argparse.Namespace) -> None:
         "python_kib": vm_hwm_kib(os.getpid()),
         "jvm_kib": vm_hwm_kib(jvm_pid),
         "jvm_old_gen_peak_mib": jvm_old_gen_peak_mib(session),
+        "jvm_live_heap_mib": jvm_live_heap_mib(session),
     }
     print(CHILD_MARKER + json.dumps(result), flush=True)
     session.stop()
@@ -573,18 +585,22 @@ def memory(args: argparse.Namespace, topic: str, start: datetime) -> None:
     )
     print(
         f"  {'range':<6} {'records':>10} {'seconds':>8} {'records/s':>9} {'python MiB':>11} "
-        f"{'JVM MiB':>9} "
-        f"{'sum MiB':>9} {'JVM old gen peak MiB':>21}"
+        f"{'JVM MiB':>9} {'sum MiB':>9} {'JVM old gen peak MiB':>21} {'live heap MiB':>14}"
     )
     for label, m in results:
         py, jv = m["python_kib"] / 1024, m["jvm_kib"] / 1024
         print(
             f"  {label:<6} {int(m['records']):>10,} {m['seconds']:>8.1f} "
             f"{m['records'] / m['seconds']:>9,.0f} {py:>11.0f} {jv:>9.0f} "
-            f"{py + jv:>9.0f} {m['jvm_old_gen_peak_mib']:>21.0f}"
+            f"{py + jv:>9.0f} {m['jvm_old_gen_peak_mib']:>21.0f} "
+            f"{m.get('jvm_live_heap_mib', float('nan')):>14.0f}"
         )
     (_, small), (big, large) = results[0], results[-1]
-    for what, key in (("python", "python_kib"), ("JVM   ", "jvm_kib")):
+    for what, key in (
+        ("python", "python_kib"),
+        ("JVM   ", "jvm_kib"),
+        ("live heap after GC", "jvm_live_heap_mib"),
+    ):
         print(f"  {what} {big}/1x: {large[key] / small[key]:.2f}x")
     total = (large["python_kib"] + large["jvm_kib"]) / (small["python_kib"] + small["jvm_kib"])
     print(

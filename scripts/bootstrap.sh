@@ -2,6 +2,7 @@
 # Install everything the project needs on a fresh machine, idempotently:
 #   .venv with the pinned Python packages (re-installed only when pyproject.toml changes)
 #   JVM jars from Maven Central into .stack/jars (re-resolved only when a pom changes)
+#   the Spark driver's class-data-sharing archive in .stack/jars/cds (built once per jar set)
 # Needs: python3.11+, a JDK 17+ (java) and Maven (mvn) on PATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,3 +24,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 
 .venv/bin/backfill-assets jars resolve
+# The Spark driver's class-data-sharing archive (backfill_assets/stack/cds.py): built once per
+# pyspark/JVM/jar set, about 45 s; without it Spark works, it only starts slower.
+.venv/bin/backfill-assets jars cds || echo "bootstrap: no Spark CDS archive (see above); Spark will start slower" >&2

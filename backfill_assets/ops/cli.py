@@ -19,6 +19,7 @@ import getpass
 import json
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -242,10 +243,26 @@ def _range_options(fn: Callable[..., int]) -> Callable[..., int]:
 
 
 @cli.command("jars")
-@click.argument("action", type=click.Choice(["resolve"]))
+@click.argument("action", type=click.Choice(["resolve", "cds"]))
 @_with_ui
 def jars_command(ui: Ui, settings: Settings, action: str) -> int:
-    """Resolve JVM artifacts from Maven Central (idempotent)."""
+    """Resolve JVM artifacts from Maven Central (idempotent); ``cds`` builds the Spark driver's
+    class-data-sharing archive from them (idempotent; exits 1 if it cannot, and Spark then
+    starts without it)."""
+    if action == "cds":
+        from backfill_assets.stack import cds
+
+        began = time.monotonic()
+        try:
+            with ui.spinner("building the Spark CDS archive (a small Spark workload, once)"):
+                path, built = cds.build(settings)
+        except cds.CdsError as err:
+            ui.note(f"error: {err}")
+            return 1
+        state = f"built in {time.monotonic() - began:.0f}s" if built else "already built"
+        ui.line(f"Spark driver CDS archive: {state} ({path})")
+        ui.emit({"path": str(path), "built": built})
+        return 0
     with ui.spinner("resolving jars"):
         resolved = _resolve_jars(settings)
     for jar_set, info in resolved.items():

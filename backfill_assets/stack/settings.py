@@ -174,6 +174,9 @@ class Settings:
     spark_executor_cores: int | None = None
     # Any other spark.* settings (BACKFILL_SPARK_CONF, a JSON object), applied last.
     spark_extra_conf: Mapping[str, str] = field(default_factory=dict)
+    # Start the local Spark driver JVM from the class-data-sharing archive of
+    # backfill_assets/stack/cds.py when one was built (BACKFILL_SPARK_CDS, on by default).
+    spark_cds: bool = True
     maintenance: MaintenanceSettings = field(default_factory=MaintenanceSettings)
     # How every run executes its steps (BACKFILL_RUN_EXECUTOR, defs/definitions.py::run_executor):
     # ``in_process``, one process and one Spark session per run; ``multiprocess``, Dagster's
@@ -261,6 +264,7 @@ class Settings:
                 else None
             ),
             spark_extra_conf=_spark_conf(env),
+            spark_cds=_switch(env, "BACKFILL_SPARK_CDS", default=True),
             archive_uri=env.get("BACKFILL_ARCHIVE_URI", (home / "archive").as_uri()),
             archive_file_records=_int(env, "BACKFILL_ARCHIVE_FILE_RECORDS", 100_000),
             dagster_storage=Path(

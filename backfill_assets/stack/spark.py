@@ -9,7 +9,7 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from backfill_assets.stack import catalog, jars
+from backfill_assets.stack import catalog, cds, jars
 from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:
@@ -54,6 +54,10 @@ def spark_config(settings: Settings, extra: Mapping[str, object] | None = None) 
     conf.update(settings.spark_extra_conf)
     for key, value in (extra or {}).items():
         conf[key] = str(value).lower() if isinstance(value, bool) else str(value)
+    if local and (sharing := cds.java_options(settings)):
+        # The class-data-sharing archive, ahead of any options the settings give the driver.
+        own = conf.get("spark.driver.extraJavaOptions", "")
+        conf["spark.driver.extraJavaOptions"] = f"{sharing} {own}".strip()
     return conf
 
 
@@ -132,6 +136,8 @@ def _warn_fixed_settings(session: SparkSession, conf: Mapping[str, str]) -> None
         have = running.get(key)
         if have == wanted:
             continue
+        if key.endswith("extraJavaOptions") and set(wanted.split()) <= set((have or "").split()):
+            continue  # Spark adds its own JVM options to the ones it was given
         if key in _NAMED:
             detail = f"{key}={have or '(Spark default)'}, not {wanted} ({_NAMED[key]})"
         else:
