@@ -187,6 +187,9 @@ def test_backfill_audit_and_rollback(
     # raw and current over 4 hours; each declared table (orders_hourly, orders_large_paid) over
     # the one event hour complete within the range
     assert re.search(r"10/10 asset partitions \(0 failed\)", out.stdout), out.stdout
+    # the records of every hour, not of one hour per run
+    read = sum(orders.kafka_hours[h]["records"] for h in HOURS)
+    assert f"(0 failed), {read:,} records," in out.stdout, out.stdout
 
     # The UI's backfill list shows them, completed.
     listed = _graphql(

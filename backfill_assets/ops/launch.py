@@ -403,20 +403,20 @@ def _poll(
 
 
 def _records_read(client: DagsterClient, backfill_id: str) -> int:
-    """Records read by the backfill's finished raw materializations (one figure per run)."""
+    """Records read by the backfill's finished raw materializations."""
     data = client.query(RUN_METADATA, {"id": backfill_id})["runsOrError"]
     return _raw_records(data.get("results", []))
 
 
 def _raw_records(runs: Sequence[dict[str, Any]]) -> int:
-    """The ``records_read`` of each run's first raw materialization, summed."""
+    """Records read by the runs' raw materializations: each partition's own ``records_read``
+    (a run of several hours materializes each hour with its own count), summed."""
     total = 0
     for run in runs:
         for mat in run["assetMaterializations"]:
             if mat["assetKey"]["path"][0] != "raw":
                 continue
-            entries = {e["label"]: e for e in mat["metadataEntries"]}
-            if "records_read" in entries:
-                total += int(entries["records_read"].get("intValue") or 0)
-                break
+            for entry in mat["metadataEntries"]:
+                if entry["label"] == "records_read":
+                    total += int(entry.get("intValue") or 0)
     return total

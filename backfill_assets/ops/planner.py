@@ -199,16 +199,18 @@ def make_plan(
     missing: dict[str, list[int]] = {}
     sample = _sample(kafka, contract, spec)
     history = _history(instance, raw_asset_key(spec)) if instance is not None else {}
-    per_run_history = list(history.values())[:20]
+    per_run_history = [h for h in history.values() if h["records"] >= 0][:20]
     ratios = [h["write_ratio"] for h in per_run_history if h["write_ratio"]]
     ratio = statistics.median(ratios) if ratios else DEFAULT_WRITE_RATIO
     runs = max(1, math.ceil(partitions / BACKFILL_POLICY.max_partitions_per_run))  # type: ignore[operator]
     declared_tables = [key for keys, _, _ in backfill_ranges(spec, start, end)[1:] for key in keys]
-    declared_walls = [
-        h["wall_s"]
+    # The declared tables' runs (one run may hold several of them: each run counts once).
+    declared_runs = {
+        run_id: h["wall_s"]
         for key in declared_tables
-        for h in (_history(instance, key).values() if instance is not None else [])
-    ]
+        for run_id, h in (_history(instance, key).items() if instance is not None else [])
+    }
+    declared_walls = list(declared_runs.values())[:20]
     estimate = predict(
         records=contract.records,
         partitions=partitions,
@@ -569,7 +571,8 @@ def _version(value: bytes, spec: TopicSpec) -> int | None:
 
 
 def _history(instance: dg.DagsterInstance, key: dg.AssetKey) -> dict[str, dict[str, float]]:
-    """Per recent raw run: records read, wall time (start to end of the run) and write ratio."""
+    """Per recent run that materialized ``key``: records read (the run's total, -1 when its
+    materializations do not say), wall time (RUN_START to the run's end) and write ratio."""
     result = instance.fetch_materializations(key, limit=200)
     per_run: dict[str, dict[str, float]] = {}
     for record in result.records:
@@ -577,15 +580,16 @@ def _history(instance: dg.DagsterInstance, key: dg.AssetKey) -> dict[str, dict[s
         if mat is None or record.run_id in per_run:
             continue
         meta = {k: v.value for k, v in mat.metadata.items()}
-        records = meta.get("records_read", meta.get("events", 0))
-        if not isinstance(records, int):
-            continue
+        # A raw run's totals are in its "run" entry; the plain entries are each partition's own.
+        totals = meta.get("run") if isinstance(meta.get("run"), dict) else meta
+        assert isinstance(totals, dict)
+        records = totals.get("records_read", totals.get("events"))
         stats = instance.get_run_stats(record.run_id)
         if stats.start_time is None or stats.end_time is None:
             continue
-        read_b, written_b = meta.get("bytes_read"), meta.get("bytes_written")
+        read_b, written_b = totals.get("bytes_read"), totals.get("bytes_written")
         per_run[record.run_id] = {
-            "records": float(records),
+            "records": float(records) if isinstance(records, int) else -1.0,
             "wall_s": stats.end_time - stats.start_time,
             "write_ratio": float(written_b) / float(read_b)
             if isinstance(read_b, int) and isinstance(written_b, int) and read_b
