@@ -88,6 +88,13 @@ def test_without_history_the_defaults_are_said_to_be_defaults() -> None:
     assert (est.overhead_s, est.rate) == (RUN_OVERHEAD_S, 1_000.0)
     assert est.confidence == "low"
     assert "no earlier runs" in est.basis
+
+
+def test_declared_tables_without_history_cap_the_confidence() -> None:
+    assert _predict(declared_tables=1, declared_walls=[30.0]).confidence == "high"
+    est = _predict(declared_tables=1)
+    assert est.confidence == "medium"
+    assert f"default {DECLARED_RUN_S:.0f}s per run" in est.basis
     assert est.breakdown["declared tables"] == pytest.approx(
         DAEMON_WAIT_S + RUN_START_S + DECLARED_RUN_S
     )
