@@ -372,6 +372,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="interleaved runs; median")
     parser.add_argument("--mem-repeat", type=int, default=1, help="runs per range; median")
     parser.add_argument("--profile", action="store_true", help="time each Spark action too")
+    parser.add_argument(
+        "--profile-first",
+        action="store_true",
+        help="also time each Spark action of the warm-up run: the first run of the process "
+        "(cold JVM code paths, first Kafka read, first Python worker), as a small backfill's run",
+    )
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument(
@@ -483,7 +489,12 @@ def throughput(args: argparse.Namespace, settings: Settings, topic: str, start: 
     spark = spark_mod.get_session(settings)
     began = time.monotonic()
     use_namespace("bench_warmup")
-    materialize(spec, *warm)
+    if args.profile_first:
+        with action_timer() as timings:
+            total, _ = materialize(spec, *warm)
+        print_profile("the warm-up run, first of this process", total, timings)
+    else:
+        materialize(spec, *warm)
     bare_spark(spark, settings, warm_contract, parquet)
     hand_written(spark, settings, spec, warm_contract, hand_table)
     spark_parse(spark, settings, spec, warm_contract, parquet)
@@ -558,14 +569,18 @@ def throughput(args: argparse.Namespace, settings: Settings, topic: str, start: 
         use_namespace("bench_profile")
         with action_timer() as timings:
             total, _ = materialize(spec, start, end)
-        print()
-        print(f"Profile of one more asset run ({total:.1f}s wall), outermost Spark actions:")
-        timed = 0.0
-        for label, secs in sorted(timings.items(), key=lambda kv: -sum(kv[1])):
-            timed += sum(secs) if label not in (PHASE_CHECKS, PHASE_PUBLISH) else 0.0
-            print(f"  {sum(secs):>7.2f}s  x{len(secs):<3} {label}")
-        print(f"  {total - timed:>7.2f}s  rest (Dagster, DDL, catalog, audit table, publish)")
+        print_profile("one more asset run", total, timings)
     spark.stop()
+
+
+def print_profile(what: str, total: float, timings: dict[str, list[float]]) -> None:
+    print()
+    print(f"Profile of {what} ({total:.1f}s wall), outermost Spark actions:")
+    timed = 0.0
+    for label, secs in sorted(timings.items(), key=lambda kv: -sum(kv[1])):
+        timed += sum(secs) if label not in (PHASE_CHECKS, PHASE_PUBLISH) else 0.0
+        print(f"  {sum(secs):>7.2f}s  x{len(secs):<3} {label}")
+    print(f"  {total - timed:>7.2f}s  rest (Dagster, DDL, catalog, audit table, publish)")
 
 
 def memory(args: argparse.Namespace, topic: str, start: datetime) -> None:
