@@ -33,7 +33,8 @@ def test_options_only_for_a_built_enabled_local_archive(
     assert cds.java_options(dataclasses.replace(settings, spark_cds=False)) == ""
     cluster = dataclasses.replace(settings, spark_master="spark://10.0.0.5:7077")
     assert cds.java_options(cluster) == ""
-    assert "spark.driver.extraJavaOptions" not in spark.spark_config(cluster)
+    # A cluster's driver gets no archive, only the JIT option every JVM gets.
+    assert spark.spark_config(cluster)["spark.driver.extraJavaOptions"] == spark.JIT_OPTIONS
 
 
 def test_the_archive_goes_ahead_of_the_settings_own_driver_options(
@@ -46,7 +47,7 @@ def test_the_archive_goes_ahead_of_the_settings_own_driver_options(
         settings, spark_extra_conf={"spark.driver.extraJavaOptions": "-Dmine=1"}
     )
     options = spark.spark_config(own)["spark.driver.extraJavaOptions"]
-    assert options == f"{cds.java_options(settings)} -Dmine=1"
+    assert options == f"{cds.java_options(settings)} {spark.JIT_OPTIONS} -Dmine=1"
 
 
 def test_the_archive_is_named_by_what_it_depends_on(settings: Settings) -> None:
@@ -93,3 +94,15 @@ def test_a_fresh_driver_maps_spark_classes_from_the_archive(
     assert "org.apache.spark.SparkContext source: shared objects file (top)" in loaded
     shared = loaded.count("source: shared objects file (top)")
     assert shared > 5_000, f"only {shared} classes came from the archive"
+
+
+def test_the_session_jvm_compiles_huge_generated_methods(spark_session: object) -> None:
+    """The parse's generated code is over HotSpot's 8,000-byte limit: without the option the
+    JVM would interpret it (see spark.JIT_OPTIONS)."""
+    from pyspark.sql import SparkSession
+
+    assert isinstance(spark_session, SparkSession)
+    jvm = spark_session.sparkContext._jvm
+    assert jvm is not None
+    args = list(jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getInputArguments())
+    assert spark.JIT_OPTIONS in args
