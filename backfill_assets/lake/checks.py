@@ -21,7 +21,7 @@ from backfill_assets.lake.spec import ColumnSpec, TopicSpec
 if TYPE_CHECKING:
     import pandas as pd
     import pandera.pandas as pa
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import Column, DataFrame, SparkSession
 
 CHECK_NAMES = (
     "count_reconciliation",
@@ -115,56 +115,59 @@ def _table_figures(branch: DataFrame, quarantine: DataFrame, spec: TopicSpec) ->
     hour). Hours are collected as epoch millis (see :func:`replay.hour_key`)."""
     from pyspark.sql import functions as F
 
-    cols = ["kafka_partition", "kafka_offset", "record_hash"]
     content_cols = ["kafka_partition", "kafka_offset", "is_tombstone"]
     content_cols += [c.name for c in spec.columns]
     event_hour = F.when(
         ~F.col("is_tombstone"), F.unix_millis(F.date_trunc("hour", F.col(spec.event_time_field)))
     )
+    content = F.xxhash64(*[F.col(c) for c in content_cols])
     both = branch.select(
         F.unix_millis("kafka_hour").alias("h"),
-        *cols,
+        "kafka_partition",
+        "kafka_offset",
+        *_halves(F.col("record_hash"), "hash"),
         F.lit(1).alias("is_row"),
-        F.xxhash64(*[F.col(c) for c in content_cols]).cast("decimal(38,0)").alias("content"),
+        *_halves(content, "content"),
         F.lit(None).cast("string").alias("reason"),
         event_hour.alias("e"),
     ).unionByName(
         quarantine.select(
             F.unix_millis("kafka_hour").alias("h"),
-            *cols,
+            "kafka_partition",
+            "kafka_offset",
+            *_halves(F.col("record_hash"), "hash"),
             F.lit(0).alias("is_row"),
-            F.lit(None).cast("decimal(38,0)").alias("content"),
+            *_halves(F.lit(None).cast("bigint"), "content"),
             F.col("reason"),
             F.lit(None).cast("bigint").alias("e"),
         )
     )
+    sums = [f"{name}_{half}" for name in ("hash", "content") for half in ("high", "low")]
     per_offset = both.groupBy("kafka_partition", "kafka_offset").agg(
         F.min("h").alias("h"),
         F.count("*").alias("n"),
         F.sum("is_row").alias("rows"),
-        F.sum(F.col("record_hash").cast("decimal(38,0)")).alias("hash_sum"),
-        F.sum("content").alias("content"),
+        *[F.sum(c).alias(c) for c in sums],
         F.min("reason").alias("reason"),
         F.min("e").alias("e"),
     )
     groups = per_offset.groupBy("h", "reason", "e").agg(
         F.sum("rows").alias("rows"),
         F.sum(F.col("n") - F.col("rows")).alias("quarantined"),
-        F.sum("hash_sum").alias("hash_sum"),
-        F.sum("content").alias("content"),
+        *[F.sum(c).alias(c) for c in sums],
         F.sum(F.col("n") - 1).alias("repeated"),
     )
     per_hour: dict[str, dict[str, int]] = {}
     reasons: dict[str, int] = {}
     event_hours: dict[str, dict[str, int]] = {}
-    repeated = content = 0
+    repeated = content_sum = 0
     for r in groups.collect():
         hour = hour_key(r["h"])
         figures = per_hour.setdefault(hour, {"rows": 0, "quarantined": 0, "hash_sum": 0})
         figures["rows"] += int(r["rows"])
         figures["quarantined"] += int(r["quarantined"])
-        figures["hash_sum"] += int(r["hash_sum"] or 0)
-        content += int(r["content"] or 0)
+        figures["hash_sum"] += _whole(r, "hash")
+        content_sum += _whole(r, "content")
         repeated += int(r["repeated"])
         if r["reason"] is not None:
             reasons[r["reason"]] = reasons.get(r["reason"], 0) + int(r["quarantined"])
@@ -176,8 +179,25 @@ def _table_figures(branch: DataFrame, quarantine: DataFrame, spec: TopicSpec) ->
         "repeated_offsets": repeated,
         "reasons": reasons,
         "event_hours": event_hours,
-        "content_checksum": str(content),
+        "content_checksum": str(content_sum),
     }
+
+
+def _halves(hash64: Column, name: str) -> list[Column]:
+    """A signed 64-bit hash as its high (signed) and low (unsigned) 32 bits, so sums of
+    billions of them stay exact in bigint (a decimal(38,0) sum cost twice the aggregation's
+    time: 1.34 s against 0.72 s on 475k rows); :func:`_whole` puts a sum back together."""
+    from pyspark.sql import functions as F
+
+    return [
+        F.shiftright(hash64, 32).alias(f"{name}_high"),
+        hash64.bitwiseAND(F.lit(0xFFFFFFFF)).alias(f"{name}_low"),
+    ]
+
+
+def _whole(row: Any, name: str) -> int:
+    """The exact sum of the hashes whose halves ``row`` sums (NULL sums count 0)."""
+    return (int(row[f"{name}_high"] or 0) << 32) + int(row[f"{name}_low"] or 0)
 
 
 def _set_figures(outcome: ReplayOutcome, table_side: dict[str, Any]) -> None:
