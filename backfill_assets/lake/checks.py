@@ -47,6 +47,9 @@ DESCRIPTIONS = {
 
 _ARROW_BATCH = "spark.sql.execution.arrow.maxRecordsPerBatch"
 CONTRACT_BATCH_ROWS = 100_000  # rows per pandera call in the contract check
+_ARROW_TO_PANDAS = "spark.sql.execution.arrow.pyspark.enabled"
+# At most this many rows are validated in the driver process (see schema_contract).
+CONTRACT_DRIVER_ROWS = 50_000
 
 
 @dataclass
@@ -100,7 +103,7 @@ def run_checks(spark: SparkSession, spec: TopicSpec, outcome: ReplayOutcome) -> 
     return [
         _count_reconciliation(table_side, outcome),
         _checksum(table_side, outcome),
-        _schema_contract(branch, spec),
+        _schema_contract(branch, spec, outcome.rows_written),
         _uniqueness(table_side),
         _quarantine_ratio(spec, outcome),
     ]
@@ -318,34 +321,83 @@ def _quarantine_ratio(spec: TopicSpec, outcome: ReplayOutcome) -> CheckOutcome:
     )
 
 
-def _schema_contract(branch: DataFrame, spec: TopicSpec) -> CheckOutcome:
+def _schema_contract(branch: DataFrame, spec: TopicSpec, rows: int) -> CheckOutcome:
     """The topic's contract over the window's events (tombstones carry no payload)."""
     from pyspark.sql import functions as F
 
     events = branch.where(~F.col("is_tombstone")).select(*[c.name for c in spec.columns])
-    return schema_contract(events, spec.columns)
+    return schema_contract(events, spec.columns, at_most=rows)
 
 
-def schema_contract(events: DataFrame, columns: tuple[ColumnSpec, ...]) -> CheckOutcome:
-    """pandera's contract for ``columns`` (generated from the spec), evaluated chunk by chunk
-    inside Spark executors over ``events`` (which holds exactly those columns)."""
+def schema_contract(
+    events: DataFrame, columns: tuple[ColumnSpec, ...], *, at_most: int | None = None
+) -> CheckOutcome:
+    """pandera's contract for ``columns`` (generated from the spec) over ``events`` (which
+    holds exactly those columns).
+
+    ``at_most`` is an upper bound of the rows, when the caller knows one. Up to
+    :data:`CONTRACT_DRIVER_ROWS` rows are validated here, in the driver process (Arrow to
+    pandas, so the driver holds at most that many rows): a small window then does not start
+    Spark's Python workers, whose start and pandas/pandera imports cost a fresh run process
+    about 2 s. More rows (or an unknown count) are validated chunk by chunk inside Spark
+    executors. Both ways report the same violations."""
+    failed = None
+    if at_most is not None and at_most <= CONTRACT_DRIVER_ROWS:
+        failed = _violations_here(events, columns)
+    if failed is None:
+        failed = _violations_in_executors(events, columns)
+    return CheckOutcome(
+        "schema_contract",
+        not failed,
+        "all rows satisfy the contract" if not failed else f"contract violations: {failed}",
+        {"violations": failed, "columns": [c.name for c in columns]},
+    )
+
+
+def _failures(schema: pa.DataFrameSchema, frame: pd.DataFrame) -> list[tuple[str, str, int]]:
+    """(column, check, failing values) of one frame; empty when it satisfies the contract."""
+    import pandera.errors
+
+    try:
+        schema.validate(frame, lazy=True)
+    except pandera.errors.SchemaErrors as err:
+        cases = err.failure_cases
+        return [
+            (str(col), str(check), int(n))
+            for (col, check), n in cases.groupby(["column", "check"]).size().items()
+        ]
+    return []
+
+
+def _violations_here(events: DataFrame, columns: tuple[ColumnSpec, ...]) -> dict[str, int] | None:
+    """The violations, validated in this process; None if ``events`` holds more rows than
+    :data:`CONTRACT_DRIVER_ROWS` after all (then the executors validate them)."""
+    conf = events.sparkSession.conf
+    before = conf.get(_ARROW_TO_PANDAS, None)
+    conf.set(_ARROW_TO_PANDAS, "true")  # the conversion mapInPandas uses, for this call only
+    try:
+        frame = events.limit(CONTRACT_DRIVER_ROWS + 1).toPandas()
+    finally:
+        if before is None:
+            conf.unset(_ARROW_TO_PANDAS)
+        else:
+            conf.set(_ARROW_TO_PANDAS, before)
+    if len(frame) > CONTRACT_DRIVER_ROWS:
+        return None
+    return {
+        f"{col}: {check}": n for col, check, n in _failures(contract_schema(columns), frame) if n
+    }
+
+
+def _violations_in_executors(events: DataFrame, columns: tuple[ColumnSpec, ...]) -> dict[str, int]:
     from pyspark.sql import functions as F
 
     def validate(chunks: Iterable[pd.DataFrame]) -> Iterator[pd.DataFrame]:
         import pandas as pd
-        import pandera.errors
 
         schema = contract_schema(columns)
         for chunk in chunks:
-            try:
-                schema.validate(chunk, lazy=True)
-                failures: list[tuple[str, str, int]] = []
-            except pandera.errors.SchemaErrors as err:
-                cases = err.failure_cases
-                failures = [
-                    (str(col), str(check), int(n))
-                    for (col, check), n in cases.groupby(["column", "check"]).size().items()
-                ]
+            failures = _failures(schema, chunk)
             yield pd.DataFrame(failures or [("", "", 0)], columns=["column", "check", "failures"])
 
     result = events.mapInPandas(validate, "column string, check string, failures long")
@@ -361,13 +413,7 @@ def schema_contract(events: DataFrame, columns: tuple[ColumnSpec, ...]) -> Check
             conf.unset(_ARROW_BATCH)
         else:
             conf.set(_ARROW_BATCH, before)
-    failed = {f"{r['column']}: {r['check']}": int(r["n"]) for r in rows if r["n"]}
-    return CheckOutcome(
-        "schema_contract",
-        not failed,
-        "all rows satisfy the contract" if not failed else f"contract violations: {failed}",
-        {"violations": failed, "columns": [c.name for c in columns]},
-    )
+    return {f"{r['column']}: {r['check']}": int(r["n"]) for r in rows if r["n"]}
 
 
 def contract_schema(columns: tuple[ColumnSpec, ...]) -> pa.DataFrameSchema:

@@ -255,7 +255,7 @@ def build_declared(
             written.groupBy(*table.grain).count().where(F.col("count") > 1).count() if rows else 0
         )
         table_figures = _measure_figures(spark, table, written, side="table")
-        contract = checks.schema_contract(written, table.columns)
+        contract = checks.schema_contract(written, table.columns, at_most=rows)
     finally:
         written.unpersist()
     contract = _with_outside(contract, outside, start, end, table)
@@ -526,7 +526,7 @@ def build_current(
         for hour, n in rows_per_hour(frame, "kafka_hour", start, end).items():
             per_hour.setdefault(hour, {})[figure] = n
     live = state.where(~F.col("deleted")).select(*[c.name for c in spec.columns])
-    contract = checks.schema_contract(live, spec.columns)
+    contract = checks.schema_contract(live, spec.columns, at_most=int(agg["rows"]))
     outcomes = [
         CheckOutcome(
             "uniqueness",

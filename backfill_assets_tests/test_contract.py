@@ -1,0 +1,95 @@
+"""The pandera contract check gives the same verdict whether it validates in the driver process
+(small windows) or inside Spark executors (large ones), and never validates only part of the
+rows in the driver."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from backfill_assets.lake import checks
+from backfill_assets.lake.spec import TopicSpec, load_specs
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+WHEN = datetime(2026, 3, 1, 1, 30, tzinfo=UTC)
+
+
+def _orders() -> TopicSpec:
+    (spec,) = [s for s in load_specs() if s.topic == "orders"]
+    return spec
+
+
+def _row(i: int, **changes: Any) -> dict[str, Any]:
+    row = {
+        "event_id": f"e{i}",
+        "order_id": f"o{i}",
+        "customer_id": f"c{i}",
+        "event_type": "created",
+        "status": "open",
+        "amount_minor": 100 * i,
+        "currency": "EUR",
+        "channel": "web",
+        "event_time": WHEN,
+    }
+    row.update(changes)
+    return row
+
+
+def _frame(spark: SparkSession, rows: list[dict[str, Any]]) -> DataFrame:
+    spec = _orders()
+    ddl = ", ".join(f"{c.name} {c.type}" for c in spec.columns)
+    names = [c.name for c in spec.columns]
+    return spark.createDataFrame([tuple(r[n] for n in names) for r in rows], ddl)
+
+
+BROKEN = [
+    _row(1),
+    _row(2, currency="XXX"),
+    _row(3, amount_minor=-5),
+    _row(4, status="lost"),
+    _row(5, event_id=None),
+    _row(6, amount_minor=None),
+]
+EXPECTED = {
+    "currency: isin(['EUR', 'USD', 'GBP'])": 1,
+    "amount_minor: greater_than_or_equal_to(0)": 1,
+    "status: isin(['open', 'paid', 'cancelled'])": 1,
+}
+
+
+def test_driver_and_executors_report_the_same_violations(spark_session: SparkSession) -> None:
+    spec = _orders()
+    frame = _frame(spark_session, BROKEN)
+    here = checks.schema_contract(frame, spec.columns, at_most=len(BROKEN))
+    there = checks.schema_contract(frame, spec.columns)  # no bound: executors
+    assert not here.passed and not there.passed
+    assert here.metadata["violations"] == there.metadata["violations"]
+    violations = here.metadata["violations"]
+    for name, n in EXPECTED.items():
+        assert violations.get(name) == n, (name, violations)
+    # The NULLs of non-nullable columns are named, in whatever words pandera uses.
+    assert any(k.startswith("event_id: ") for k in violations), violations
+    assert any(k.startswith("amount_minor: ") and "null" in k for k in violations), violations
+
+
+def test_valid_rows_pass_both_ways(spark_session: SparkSession) -> None:
+    spec = _orders()
+    frame = _frame(spark_session, [_row(i) for i in range(1, 20)])
+    assert checks.schema_contract(frame, spec.columns, at_most=19).passed
+    assert checks.schema_contract(frame, spec.columns).passed
+
+
+def test_an_understated_bound_falls_back_to_the_executors(
+    spark_session: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bound that lies must not make the driver validate only the first rows."""
+    monkeypatch.setattr(checks, "CONTRACT_DRIVER_ROWS", 3)
+    spec = _orders()
+    rows = [_row(i) for i in range(1, 6)] + [_row(6, currency="XXX")]
+    outcome = checks.schema_contract(_frame(spark_session, rows), spec.columns, at_most=2)
+    assert not outcome.passed
+    assert outcome.metadata["violations"] == {"currency: isin(['EUR', 'USD', 'GBP'])": 1}
