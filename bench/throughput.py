@@ -217,7 +217,8 @@ def librdkafka(settings: Settings, contract: OffsetContract) -> tuple[float, int
     got = 0
     deadline = time.monotonic() + 600
     while todo and time.monotonic() < deadline:
-        for msg in consumer.consume(num_messages=10_000, timeout=1.0):
+        # The scan's batch and poll (windows._BATCH, _POLL_S): a full batch or the timeout.
+        for msg in consumer.consume(num_messages=10_000, timeout=0.05):
             if msg.error():
                 continue
             p, offset = msg.partition(), msg.offset()

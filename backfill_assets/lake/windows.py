@@ -64,6 +64,9 @@ class WindowError(BackfillError):
 
 
 _INT, _LONG = struct.Struct("<i"), struct.Struct("<q")
+# librdkafka's consume() returns when it has a full batch or when the timeout ends: with a
+# long timeout, every scan shorter than a batch (a small window's) waited for all of it.
+_BATCH, _POLL_S = 10_000, 0.05
 _XXH64 = xxhash.xxh64_intdigest
 
 
@@ -456,7 +459,7 @@ def _read_kafka(
         consumer.assign([TopicPartition(topic, p, cursors[p].position) for p in sorted(todo)])
         idle_since = time.monotonic()
         while todo:
-            msgs = consumer.consume(num_messages=10_000, timeout=1.0)
+            msgs = consumer.consume(num_messages=_BATCH, timeout=_POLL_S)
             if not msgs:
                 if time.monotonic() - idle_since > timeout_s:
                     raise WindowError(
