@@ -26,6 +26,13 @@ def main() -> None:
     parser.add_argument("--hours", type=int, default=10)
     parser.add_argument("--events-per-hour", type=int, default=20_000)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument(
+        "--parse-only",
+        action="store_true",
+        help="time only the whole parse, once warmed (compare JVM options with it, e.g. "
+        'BACKFILL_SPARK_CONF=\'{"spark.driver.extraJavaOptions": '
+        '"-XX:+DontCompileHugeMethods"}\')',
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     home = tempfile.mkdtemp(prefix="bench-parse-")
@@ -86,6 +93,11 @@ def main() -> None:
             _, _, parsed = replay.parse(spec, src, "bench")
         finally:
             replay.cache = cache
+        if args.parse_only:
+            noop(parsed)  # warm: class loading, JIT
+            print(f"{n:,} records, best of {args.repeat} after one warm-up run:")
+            timed("parse: everything (no filter, no cache)", lambda: noop(parsed))
+            return
         text = F.col("value").cast("string")
         typed = ", ".join(f"`{c.name}` {replay._SPARK_TYPES[c.type]}" for c in spec.columns)
         print(f"{n:,} records, best of {args.repeat}:")
