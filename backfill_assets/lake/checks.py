@@ -50,6 +50,9 @@ CONTRACT_BATCH_ROWS = 100_000  # rows per pandera call in the contract check
 _ARROW_TO_PANDAS = "spark.sql.execution.arrow.pyspark.enabled"
 # At most this many rows are validated in the driver process (see schema_contract).
 CONTRACT_DRIVER_ROWS = 50_000
+# At most this many rows and quarantined records are aggregated in the driver process (see
+# table_figures): a window's worth of narrow rows (hashes, offsets, hours).
+FIGURES_DRIVER_ROWS = 50_000
 
 
 @dataclass
@@ -64,12 +67,13 @@ def run_checks(spark: SparkSession, spec: TopicSpec, outcome: ReplayOutcome) -> 
     """All blocking checks on the run's branch; none of them writes anything.
 
     The branch and the quarantine rows are read back from the table (only the columns each
-    figure needs): one aggregation gives every per-hour figure of the checks and the run's own
-    figures, which are set on ``outcome`` (what the metadata reports is what was written); one
-    grouping by event id counts repeated ids; pandera validates the rows.
+    figure needs) and aggregated into every per-hour figure of the checks, the run's own
+    figures (set on ``outcome``: what the metadata reports is what was written) and the
+    repeated event ids; pandera validates the rows. A window of at most
+    :data:`FIGURES_DRIVER_ROWS` rows is aggregated in this process from one read (no shuffle
+    to plan, compile and run, which a fresh run process pays seconds for); a larger one by
+    Spark. Both ways give the same figures.
     """
-    from pyspark.sql import functions as F
-
     branch = spark.table(outcome.branch.ident).where(window_filter(outcome.contract))
     # The quarantine table is written on main (it is evidence, kept when a run fails), one
     # atomic overwrite of the run's hours. An overlapping run may have overwritten some of
@@ -77,29 +81,9 @@ def run_checks(spark: SparkSession, spec: TopicSpec, outcome: ReplayOutcome) -> 
     # counted whichever run wrote them (filtering on this run's id made an overlapping run
     # fail its count check instead of being refused at publish).
     quarantine = spark.table(outcome.quarantine_table).where(window_filter(outcome.contract))
-    table_side = _table_figures(branch, quarantine, spec)
+    table_side = table_figures(branch, quarantine, spec, at_most=outcome.records_read)
     _set_figures(outcome, table_side)
-    # An id's copies differ when their content hashes do: min != max says so without the
-    # second shuffle a count of distinct hashes costs (0.77 s instead of 1.40 s, 475k rows).
-    content = F.xxhash64(*[F.col(c.name) for c in spec.columns])
-    ids = (
-        branch.where(~F.col("is_tombstone"))
-        .select(F.col(spec.event_id_field), content.alias("content"))
-        .groupBy(spec.event_id_field)
-        .agg(
-            F.count("*").alias("n"),
-            F.min("content").alias("low"),
-            F.max("content").alias("high"),
-        )
-        .where(F.col("n") > 1)
-        .agg(
-            F.coalesce(F.sum(F.col("n") - 1), F.lit(0)).alias("resent"),
-            F.coalesce(F.count_if(F.col("low") != F.col("high")), F.lit(0)).alias("conflicting"),
-        )
-        .first()
-    )
-    assert ids is not None
-    outcome.resent, outcome.conflicting_ids = int(ids["resent"]), int(ids["conflicting"])
+    outcome.resent, outcome.conflicting_ids = table_side["resent"], table_side["conflicting"]
     return [
         _count_reconciliation(table_side, outcome),
         _checksum(table_side, outcome),
@@ -109,42 +93,141 @@ def run_checks(spark: SparkSession, spec: TopicSpec, outcome: ReplayOutcome) -> 
     ]
 
 
-def _table_figures(branch: DataFrame, quarantine: DataFrame, spec: TopicSpec) -> dict[str, Any]:
+def table_figures(
+    branch: DataFrame, quarantine: DataFrame, spec: TopicSpec, *, at_most: int | None = None
+) -> dict[str, Any]:
     """Per hour: rows, quarantined, hash sums of Kafka bytes and of parsed content, rows per
-    event-time hour, quarantined per reason; and repeated offsets. One action: rows and
-    quarantine are grouped by (partition, offset), then by (hour, reason, event hour),
-    counting the offsets seen more than once on the way (copies of an offset in different
-    hours count under the earliest: uniqueness fails then, and so does the count of some
-    hour). Hours are collected as epoch millis (see :func:`replay.hour_key`)."""
+    event-time hour, quarantined per reason; repeated offsets; repeated and conflicting event
+    ids. Rows and quarantine are grouped by (partition, offset), then by (hour, reason, event
+    hour), counting the offsets seen more than once on the way (copies of an offset in
+    different hours count under the earliest: uniqueness fails then, and so does the count of
+    some hour). Hours are epoch millis (see :func:`replay.hour_key`).
+
+    ``at_most`` bounds the rows when the caller knows one: up to :data:`FIGURES_DRIVER_ROWS`
+    rows are read once into this process and aggregated here; more (also when the bound was
+    understated) are aggregated by Spark, in two actions."""
+    both = _figure_inputs(branch, quarantine, spec)
+    if at_most is not None and at_most <= FIGURES_DRIVER_ROWS:
+        here = _figures_here(both)
+        if here is not None:
+            return here
+    return _figures_in_spark(both)
+
+
+def _figure_inputs(branch: DataFrame, quarantine: DataFrame, spec: TopicSpec) -> DataFrame:
+    """One row per branch row and per quarantined record: hour (h), partition, offset, Kafka
+    bytes hash, is_row, content hash, reason, event hour (e), and for events (not tombstones)
+    their event id and a hash of their payload columns (id_content)."""
     from pyspark.sql import functions as F
 
     content_cols = ["kafka_partition", "kafka_offset", "is_tombstone"]
     content_cols += [c.name for c in spec.columns]
-    event_hour = F.when(
-        ~F.col("is_tombstone"), F.unix_millis(F.date_trunc("hour", F.col(spec.event_time_field)))
-    )
-    content = F.xxhash64(*[F.col(c) for c in content_cols])
-    both = branch.select(
+    event = ~F.col("is_tombstone")
+    event_hour = F.when(event, F.unix_millis(F.date_trunc("hour", F.col(spec.event_time_field))))
+    (id_type,) = [c.type for c in spec.columns if c.name == spec.event_id_field]
+    payload = F.xxhash64(*[F.col(c.name) for c in spec.columns])
+    return branch.select(
         F.unix_millis("kafka_hour").alias("h"),
         "kafka_partition",
         "kafka_offset",
-        *_halves(F.col("record_hash"), "hash"),
+        F.col("record_hash").alias("hash"),
         F.lit(1).alias("is_row"),
-        *_halves(content, "content"),
+        F.xxhash64(*[F.col(c) for c in content_cols]).alias("content"),
         F.lit(None).cast("string").alias("reason"),
         event_hour.alias("e"),
+        F.when(event, F.col(spec.event_id_field)).alias("id"),
+        F.when(event, payload).alias("id_content"),
     ).unionByName(
         quarantine.select(
             F.unix_millis("kafka_hour").alias("h"),
             "kafka_partition",
             "kafka_offset",
-            *_halves(F.col("record_hash"), "hash"),
+            F.col("record_hash").alias("hash"),
             F.lit(0).alias("is_row"),
-            *_halves(F.lit(None).cast("bigint"), "content"),
+            F.lit(None).cast("bigint").alias("content"),
             F.col("reason"),
             F.lit(None).cast("bigint").alias("e"),
+            F.lit(None).cast(id_type).alias("id"),
+            F.lit(None).cast("bigint").alias("id_content"),
         )
     )
+
+
+# (h, reason, e, rows, quarantined, hash sum, content sum, repeated offsets)
+_Group = tuple[int, str | None, int | None, int, int, int, int, int]
+
+
+def _figures_here(both: DataFrame) -> dict[str, Any] | None:
+    """:func:`table_figures` from one read of ``both`` into this process (Arrow); None if it
+    holds more than :data:`FIGURES_DRIVER_ROWS` rows after all. Python's integers keep every
+    sum exact. The grouping follows Spark's: MIN skips NULLs, a NULL key is a key."""
+    table = both.limit(FIGURES_DRIVER_ROWS + 1).toArrow()
+    if table.num_rows > FIGURES_DRIVER_ROWS:
+        return None
+    cols = table.to_pydict()
+    offsets: dict[tuple[int, int], list[Any]] = {}
+    for h, p, o, hashed, is_row, content, reason, e in zip(
+        cols["h"],
+        cols["kafka_partition"],
+        cols["kafka_offset"],
+        cols["hash"],
+        cols["is_row"],
+        cols["content"],
+        cols["reason"],
+        cols["e"],
+        strict=True,
+    ):
+        seen = offsets.get((p, o))
+        if seen is None:
+            offsets[(p, o)] = [h, 1, is_row, hashed, content or 0, reason, e]
+            continue
+        seen[0] = _least(seen[0], h)
+        seen[1] += 1
+        seen[2] += is_row
+        seen[3] += hashed
+        seen[4] += content or 0
+        seen[5] = _least(seen[5], reason)
+        seen[6] = _least(seen[6], e)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for h, n, rows, hashed, content, reason, e in offsets.values():
+        group = groups.setdefault((h, reason, e), [0, 0, 0, 0, 0])
+        group[0] += rows
+        group[1] += n - rows
+        group[2] += hashed
+        group[3] += content
+        group[4] += n - 1
+    ids: dict[Any, list[int]] = {}
+    for ident, content in zip(cols["id"], cols["id_content"], strict=True):
+        if content is None:  # a tombstone or a quarantined record
+            continue
+        seen = ids.get(ident)
+        if seen is None:
+            ids[ident] = [1, content, content]
+        else:
+            seen[0] += 1
+            seen[1] = min(seen[1], content)
+            seen[2] = max(seen[2], content)
+    figures = _summarise((*key, *g) for key, g in groups.items())
+    figures["resent"] = sum(n - 1 for n, _, _ in ids.values())
+    figures["conflicting"] = sum(1 for n, low, high in ids.values() if n > 1 and low != high)
+    return figures
+
+
+def _least(a: Any, b: Any) -> Any:
+    """SQL's MIN of two values: NULL only if both are."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return min(a, b)
+
+
+def _figures_in_spark(both: DataFrame) -> dict[str, Any]:
+    """:func:`table_figures` aggregated by Spark: the figures in one action, the repeated ids
+    in another (so the driver receives one row per (hour, reason, event hour), not per row)."""
+    from pyspark.sql import functions as F
+
+    both = both.select("*", *_halves(F.col("hash"), "hash"), *_halves(F.col("content"), "content"))
     sums = [f"{name}_{half}" for name in ("hash", "content") for half in ("high", "low")]
     per_offset = both.groupBy("kafka_partition", "kafka_offset").agg(
         F.min("h").alias("h"),
@@ -160,23 +243,60 @@ def _table_figures(branch: DataFrame, quarantine: DataFrame, spec: TopicSpec) ->
         *[F.sum(c).alias(c) for c in sums],
         F.sum(F.col("n") - 1).alias("repeated"),
     )
+    figures = _summarise(
+        (
+            r["h"],
+            r["reason"],
+            r["e"],
+            int(r["rows"]),
+            int(r["quarantined"]),
+            _whole(r, "hash"),
+            _whole(r, "content"),
+            int(r["repeated"]),
+        )
+        for r in groups.collect()
+    )
+    # An id's copies differ when their content hashes do: min != max says so without the
+    # second shuffle a count of distinct hashes costs (0.77 s instead of 1.40 s, 475k rows).
+    ids = (
+        both.where(F.col("id_content").isNotNull())
+        .groupBy("id")
+        .agg(
+            F.count("*").alias("n"),
+            F.min("id_content").alias("low"),
+            F.max("id_content").alias("high"),
+        )
+        .where(F.col("n") > 1)
+        .agg(
+            F.coalesce(F.sum(F.col("n") - 1), F.lit(0)).alias("resent"),
+            F.coalesce(F.count_if(F.col("low") != F.col("high")), F.lit(0)).alias("conflicting"),
+        )
+        .first()
+    )
+    assert ids is not None
+    figures["resent"], figures["conflicting"] = int(ids["resent"]), int(ids["conflicting"])
+    return figures
+
+
+def _summarise(groups: Iterable[_Group]) -> dict[str, Any]:
+    """The figures of :func:`table_figures` from its (hour, reason, event hour) groups."""
     per_hour: dict[str, dict[str, int]] = {}
     reasons: dict[str, int] = {}
     event_hours: dict[str, dict[str, int]] = {}
     repeated = content_sum = 0
-    for r in groups.collect():
-        hour = hour_key(r["h"])
+    for h, reason, e, rows, quarantined, hash_sum, content, repeats in groups:
+        hour = hour_key(h)
         figures = per_hour.setdefault(hour, {"rows": 0, "quarantined": 0, "hash_sum": 0})
-        figures["rows"] += int(r["rows"])
-        figures["quarantined"] += int(r["quarantined"])
-        figures["hash_sum"] += _whole(r, "hash")
-        content_sum += _whole(r, "content")
-        repeated += int(r["repeated"])
-        if r["reason"] is not None:
-            reasons[r["reason"]] = reasons.get(r["reason"], 0) + int(r["quarantined"])
-        if r["e"] is not None:
+        figures["rows"] += rows
+        figures["quarantined"] += quarantined
+        figures["hash_sum"] += hash_sum
+        content_sum += content
+        repeated += repeats
+        if reason is not None:
+            reasons[reason] = reasons.get(reason, 0) + quarantined
+        if e is not None:
             late = event_hours.setdefault(hour, {})
-            late[hour_key(r["e"])] = late.get(hour_key(r["e"]), 0) + int(r["rows"])
+            late[hour_key(e)] = late.get(hour_key(e), 0) + rows
     return {
         "per_hour": per_hour,
         "repeated_offsets": repeated,

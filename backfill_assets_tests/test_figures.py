@@ -1,0 +1,142 @@
+"""The checks' figures (counts, hash sums, repeated offsets and ids, reasons, event hours) are
+the same whether a window is aggregated in the driver process (small windows) or by Spark
+(large ones), on a branch with every fault the checks exist to catch; an understated size
+falls back to Spark instead of aggregating part of the rows."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from backfill_assets.lake import checks
+from backfill_assets.lake.replay import hour_key
+from backfill_assets.lake.spec import TopicSpec, load_specs
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+H0 = datetime(2026, 3, 1, 1, tzinfo=UTC)
+H1 = H0 + timedelta(hours=1)
+
+
+def _orders() -> TopicSpec:
+    (spec,) = [s for s in load_specs() if s.topic == "orders"]
+    return spec
+
+
+def _event(i: int, **changes: Any) -> dict[str, Any]:
+    row = {
+        "event_id": f"e{i}",
+        "order_id": f"o{i}",
+        "customer_id": f"c{i}",
+        "event_type": "created",
+        "status": "open",
+        "amount_minor": 100 * i,
+        "currency": "EUR",
+        "channel": "web",
+        "event_time": H0 + timedelta(minutes=i),
+    }
+    row.update(changes)
+    return row
+
+
+def _branch(
+    spark: SparkSession, rows: list[tuple[datetime, int, int, int, dict[str, Any] | None]]
+) -> DataFrame:
+    """(kafka hour, partition, offset, record hash, event or None for a tombstone)."""
+    spec = _orders()
+    names = [c.name for c in spec.columns]
+    ddl = "kafka_hour timestamp, kafka_partition int, kafka_offset bigint, record_hash bigint, "
+    ddl += "is_tombstone boolean, " + ", ".join(f"{c.name} {c.type}" for c in spec.columns)
+    data = [
+        (hour, p, o, h, event is None, *[(event or {}).get(n) for n in names])
+        for hour, p, o, h, event in rows
+    ]
+    return spark.createDataFrame(data, ddl)
+
+
+def _quarantine(spark: SparkSession, rows: list[tuple[datetime, int, int, int, str]]) -> DataFrame:
+    ddl = "kafka_hour timestamp, kafka_partition int, kafka_offset bigint, record_hash bigint, "
+    return spark.createDataFrame(rows, ddl + "reason string")
+
+
+def _hostile(spark: SparkSession) -> tuple[DataFrame, DataFrame]:
+    big = 2**63 - 1  # hash sums overflow 64 bits: both ways must stay exact
+    branch = _branch(
+        spark,
+        [
+            (H0, 0, 0, big, _event(1)),
+            (H0, 0, 1, big, _event(2)),
+            (H0, 0, 2, -(2**63), _event(3)),
+            # offset 0/2 again, in the next hour: a repeated offset, counted under H0
+            (H1, 0, 2, 7, _event(3)),
+            # an event id sent twice with the same content (resent), and once more with
+            # different content (conflicting)
+            (H1, 1, 0, 11, _event(4)),
+            (H1, 1, 1, 12, _event(4)),
+            (H1, 1, 2, 13, _event(4, amount_minor=1)),
+            # a late event (event time two hours before its Kafka hour), and a tombstone
+            (H1, 1, 3, 14, _event(5, event_time=H0 - timedelta(hours=1))),
+            (H1, 1, 4, 15, None),
+            # two events without an id: one key for the grouping, as in Spark
+            (H1, 1, 5, 16, _event(6, event_id=None)),
+            (H1, 1, 6, 17, _event(7, event_id=None)),
+            # an offset that is both a row and quarantined
+            (H1, 1, 7, 18, _event(8)),
+        ],
+    )
+    quarantine = _quarantine(
+        spark,
+        [
+            (H0, 0, 3, -5, "invalid_json"),
+            (H0, 0, 4, -6, "invalid_json"),
+            (H1, 1, 7, 19, "missing_field:amount_minor"),
+            (H1, 1, 8, big, "schema_version"),
+        ],
+    )
+    return branch, quarantine
+
+
+def test_driver_and_spark_give_the_same_figures(spark_session: SparkSession) -> None:
+    spec = _orders()
+    branch, quarantine = _hostile(spark_session)
+    here = checks.table_figures(branch, quarantine, spec, at_most=16)
+    there = checks.table_figures(branch, quarantine, spec)  # no bound: Spark aggregates
+    assert here == there
+    h0, h1 = hour_key(int(H0.timestamp() * 1000)), hour_key(int(H1.timestamp() * 1000))
+    big = 2**63 - 1
+    assert here["per_hour"][h0] == {
+        "rows": 4,  # offsets 0/0, 0/1 and both copies of 0/2 (the earliest hour holds them)
+        "quarantined": 2,
+        "hash_sum": big + big - (2**63) + 7 - 5 - 6,
+    }
+    assert here["per_hour"][h1] == {
+        "rows": 8,
+        "quarantined": 2,
+        "hash_sum": sum(range(11, 20)) + big,
+    }
+    assert here["repeated_offsets"] == 2  # 0/2 twice, 1/7 as a row and quarantined
+    assert here["reasons"] == {
+        "invalid_json": 2,
+        "missing_field:amount_minor": 1,
+        "schema_version": 1,
+    }
+    # e3 twice (the repeated offset: 1 resent), e4 three times (2 resent, conflicting), the
+    # two id-less events (1 resent, conflicting)
+    assert here["resent"] == 4
+    assert here["conflicting"] == 2
+    late = hour_key(int((H0 - timedelta(hours=1)).timestamp() * 1000))
+    assert here["event_hours"][h1][late] == 1
+
+
+def test_an_understated_size_falls_back_to_spark(
+    spark_session: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bound that lies must not make the driver aggregate only the first rows."""
+    spec = _orders()
+    branch, quarantine = _hostile(spark_session)
+    expected = checks.table_figures(branch, quarantine, spec)
+    monkeypatch.setattr(checks, "FIGURES_DRIVER_ROWS", 5)
+    assert checks.table_figures(branch, quarantine, spec, at_most=3) == expected
