@@ -3,6 +3,7 @@ tables, each materialization written on a run branch, audited by blocking checks
 published."""
 
 import json
+import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -352,20 +353,28 @@ def _replay_raw(
     spec: TopicSpec,
 ) -> Iterator[Any]:
     window = context.partition_time_window
-    started = datetime.now(UTC)
-    session = spark.spark_session
+    started, began = datetime.now(UTC), time.monotonic()
     table = iceberg.spark_name(spec.raw_table)
     context.log.info(f"replaying {spec.topic} {_span(window.start, window.end)} into {table}")
     context.log_event(topics.observation(kafka, spec))
-    outcome = replay.replay_to_branch(
-        session,
+    # Kafka and the ledger first: the Spark session is still starting (SparkResource).
+    contract = replay.window_contract(
         settings=kafka.settings,
         kafka=kafka,
         iceberg=iceberg,
         spec=spec,
         start=window.start,
         end=window.end,
+    )
+    session = spark.spark_session
+    outcome = replay.replay_to_branch(
+        session,
+        contract,
+        settings=kafka.settings,
+        iceberg=iceberg,
+        spec=spec,
         run_id=context.run.run_id,
+        began=began,
     )
     results = checks.run_checks(session, spec, outcome)
     summary = {

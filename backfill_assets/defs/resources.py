@@ -7,13 +7,14 @@ starts, so no connection detail or secret ever lands in run config or the Dagste
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import dagster as dg
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 from dagster_pyspark import PySparkResource
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 from pyiceberg.catalog import Catalog
 
 from backfill_assets.stack import catalog, spark
@@ -30,9 +31,22 @@ class SparkResource(PySparkResource):
     """
 
     spark_config: dict[str, Any] = Field(default_factory=dict)
+    _starting: Future[Any] | None = PrivateAttr(default=None)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
-        self._spark_session = spark.get_session(Settings.from_env(), self.spark_config)
+        """Starts the session in a background thread: what a run does before it needs Spark
+        (Kafka's window scan, the ledger) overlaps the JVM's start, which is seconds in a
+        fresh run process. The first use of :attr:`spark_session` waits for it and raises
+        its error, if any."""
+        pool = ThreadPoolExecutor(1, thread_name_prefix="spark-session")
+        self._starting = pool.submit(spark.get_session, Settings.from_env(), self.spark_config)
+        pool.shutdown(wait=False)
+
+    @property
+    def spark_session(self) -> Any:
+        if self._spark_session is None and self._starting is not None:
+            self._spark_session = self._starting.result()
+        return self._spark_session
 
 
 class KafkaResource(dg.ConfigurableResource):  # type: ignore[type-arg]

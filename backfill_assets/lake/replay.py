@@ -604,8 +604,7 @@ def ensure_tables(
             )
 
 
-def replay_to_branch(
-    spark: SparkSession,
+def window_contract(
     *,
     settings: Settings,
     kafka: KafkaResource,
@@ -613,17 +612,13 @@ def replay_to_branch(
     spec: TopicSpec,
     start: datetime,
     end: datetime,
-    run_id: str,
-) -> ReplayOutcome:
-    """Steps 1-4: contract, read, parse, write the window to a run branch (main untouched)."""
-
-    began = time.monotonic()
-    table = iceberg.spark_name(spec.raw_table)
-    qtable = iceberg.spark_name(spec.quarantine_table)
-    ensure_tables(spark, settings, spec, table, qtable)
-    namespace = settings.catalog.namespace
-    published = ledger.published_offsets(iceberg.catalog(), namespace, table)
-    contract = offset_contract(
+) -> OffsetContract:
+    """Step 1: the window's exact offsets, chained on the raw table's ledger. Needs no Spark,
+    so a run does it while its Spark session starts."""
+    published = ledger.published_offsets(
+        iceberg.catalog(), settings.catalog.namespace, iceberg.spark_name(spec.raw_table)
+    )
+    return offset_contract(
         kafka,
         spec.topic,
         start,
@@ -632,6 +627,26 @@ def replay_to_branch(
         published=published,
         seal_grace=timedelta(seconds=settings.seal_grace_s),
     )
+
+
+def replay_to_branch(
+    spark: SparkSession,
+    contract: OffsetContract,
+    *,
+    settings: Settings,
+    iceberg: IcebergResource,
+    spec: TopicSpec,
+    run_id: str,
+    began: float | None = None,
+) -> ReplayOutcome:
+    """Steps 2-4: read the contract's offsets, parse, write the window to a run branch (main
+    untouched); the quarantine rows are one atomic overwrite of the window's hours.
+    ``began`` (``time.monotonic()``) is when step 1 began, for the outcome's duration."""
+
+    began = time.monotonic() if began is None else began
+    table = iceberg.spark_name(spec.raw_table)
+    qtable = iceberg.spark_name(spec.quarantine_table)
+    ensure_tables(spark, settings, spec, table, qtable)
     assert contract.windows is not None
     chunks: list[DataFrame] = []
     if settings.replay_max_records_per_s:
