@@ -227,8 +227,11 @@ def drop_published_leftovers(spark: SparkSession, table: str) -> list[str]:
 
 
 def ref_snapshot_id(spark: SparkSession, table: str, ref: str) -> int | None:
-    rows = spark.sql(f"SELECT snapshot_id FROM {table}.refs WHERE name = '{ref}'").collect()
-    return int(rows[0][0]) if rows else None
+    """The snapshot ``ref`` of ``table`` points at now (None if there is no such ref), from
+    the table's current metadata (the catalog caches none), through Iceberg's Java API: a
+    query of the ``refs`` metadata table costs a fresh process ~0.2 s of Spark planning."""
+    found = _java_table(spark, table).refs().get(ref)
+    return None if found is None else int(found.snapshotId())
 
 
 def main_summary(spark: SparkSession, table: str) -> dict[str, str]:
