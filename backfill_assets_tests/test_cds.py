@@ -47,7 +47,8 @@ def test_the_archive_goes_ahead_of_the_settings_own_driver_options(
         settings, spark_extra_conf={"spark.driver.extraJavaOptions": "-Dmine=1"}
     )
     options = spark.spark_config(own)["spark.driver.extraJavaOptions"]
-    assert options == f"{cds.java_options(settings)} {spark.JIT_OPTIONS} -Dmine=1"
+    heap = f"-Xms{settings.spark_driver_memory}"
+    assert options == f"{cds.java_options(settings)} {heap} {spark.JIT_OPTIONS} -Dmine=1"
 
 
 def test_the_archive_is_named_by_what_it_depends_on(settings: Settings) -> None:
@@ -106,3 +107,17 @@ def test_the_session_jvm_compiles_huge_generated_methods(spark_session: object) 
     assert jvm is not None
     args = list(jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getInputArguments())
     assert spark.JIT_OPTIONS in args
+
+
+def test_the_local_session_jvm_sizes_its_heap_up_front(spark_session: object) -> None:
+    """Its resident memory then does not grow with the window (see spark.local_heap_option):
+    the heap committed at start is the configured maximum."""
+    from pyspark.sql import SparkSession
+
+    assert isinstance(spark_session, SparkSession)
+    jvm = spark_session.sparkContext._jvm
+    assert jvm is not None
+    args = list(jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getInputArguments())
+    assert "-Xms" + spark_session.conf.get("spark.driver.memory", "") in args
+    heap = jvm.java.lang.management.ManagementFactory.getMemoryMXBean().getHeapMemoryUsage()
+    assert heap.getCommitted() >= 0.9 * heap.getMax(), (heap.getCommitted(), heap.getMax())
