@@ -379,6 +379,13 @@ def main() -> None:
         help="also time each Spark action of the warm-up run: the first run of the process "
         "(cold JVM code paths, first Kafka read, first Python worker), as a small backfill's run",
     )
+    parser.add_argument(
+        "--profile-runs",
+        action="store_true",
+        help="also time each Spark action of every measured asset run (the first one of a "
+        "range pays for what a fresh run process pays: new generated code to compile, the "
+        "first Python workers)",
+    )
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument(
@@ -506,7 +513,10 @@ def throughput(args: argparse.Namespace, settings: Settings, topic: str, start: 
     replay_s: list[float] = []
     for i in range(args.repeat):
         use_namespace(f"bench_r{i}")
-        seconds, meta = materialize(spec, start, end)
+        with action_timer() as timings:
+            seconds, meta = materialize(spec, start, end)
+        if args.profile_runs:
+            print_profile(f"measured asset run {i + 1}", seconds, timings)
         asset.seconds.append(seconds)
         asset.records = int(meta["run"]["records_read"])
         replay_s.append(float(meta["run"]["duration_s"]))

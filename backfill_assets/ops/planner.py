@@ -510,16 +510,25 @@ def _sample(kafka: KafkaResource, contract: OffsetContract, spec: TopicSpec) -> 
     ends = {p: e for p, (_, e) in in_kafka.items()}
     consumer.assign(assigned)
     count, size, versions = 0, 0, set()
-    began = time.monotonic()
+    # Done when every partition delivered its range's last offset, when SAMPLE_RECORDS were
+    # read, or after a second without records (a range may end on a transaction marker,
+    # which is never delivered). Short polls: consume() waits for a full batch or its timeout.
+    pending = {tp.partition for tp in assigned}
+    began = last = time.monotonic()
     try:
-        while count < SAMPLE_RECORDS and time.monotonic() - began < 10:
-            msgs = consumer.consume(500, timeout=1.0)
+        while count < SAMPLE_RECORDS and pending and time.monotonic() - began < 10:
+            msgs = consumer.consume(500, timeout=0.05)
             if not msgs:
-                break
+                if time.monotonic() - last >= 1.0:
+                    break
+                continue
+            last = time.monotonic()
             for msg in msgs:
                 offset, partition = msg.offset(), msg.partition()
                 if msg.error() or offset is None or partition is None or offset >= ends[partition]:
                     continue
+                if offset == ends[partition] - 1:
+                    pending.discard(partition)
                 count += 1
                 value = msg.value() or b""
                 size += len(value) + len(msg.key() or b"")
