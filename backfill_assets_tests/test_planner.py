@@ -9,6 +9,8 @@ import pytest
 
 from backfill_assets.ops import planner
 from backfill_assets.ops.planner import (
+    DAEMON_PERIOD_S,
+    DAEMON_PHASE_MAX_AGE_S,
     DAEMON_WAIT_S,
     DECLARED_RUN_S,
     RUN_OVERHEAD_S,
@@ -54,6 +56,30 @@ def test_a_range_waits_for_the_backfill_daemon_before_raw_and_declared_runs() ->
     )
     assert est.total_s == pytest.approx(sum(est.breakdown.values()))
     assert "backfill daemon" in est.basis
+
+
+def test_a_known_daemon_pass_times_each_stage_to_the_next_pass() -> None:
+    now = 1_000_000.0
+    # The daemon's last pass began 10 s ago: the next one is 20.25 s away.
+    est = _predict(declared_tables=1, declared_walls=[40.0], daemon_pass=now - 10.0, now=now)
+    first_wait = DAEMON_PERIOD_S - 10.0
+    launch = first_wait + RUN_START_S
+    assert est.breakdown["launch"] == pytest.approx(launch)
+    # The declared tables are ready when the raw run ends, and wait for the pass after that.
+    ready = now + launch + 50.0
+    passes = [now - 10.0 + k * DAEMON_PERIOD_S for k in range(20)]
+    second_wait = min(p for p in passes if p >= ready) - ready
+    assert est.breakdown["declared tables"] == pytest.approx(second_wait + RUN_START_S + 40.0)
+    assert "ago" in est.basis and "counted as" not in est.basis
+
+
+@pytest.mark.parametrize("age", [DAEMON_PHASE_MAX_AGE_S + 1.0, -5.0])
+def test_a_stale_or_future_daemon_pass_counts_the_average_wait(age: float) -> None:
+    now = 1_000_000.0
+    est = _predict(declared_tables=1, declared_walls=[40.0], daemon_pass=now - age, now=now)
+    assert est.breakdown["launch"] == pytest.approx(DAEMON_WAIT_S + RUN_START_S)
+    assert est.breakdown["declared tables"] == pytest.approx(DAEMON_WAIT_S + RUN_START_S + 40.0)
+    assert "counted as" in est.basis
 
 
 def test_the_fit_recovers_fixed_cost_and_rate_and_is_confident_inside_its_history() -> None:

@@ -36,6 +36,13 @@ DEFAULT_WRITE_RATIO = 0.6  # Parquet bytes written per Kafka byte read, until me
 # which the daemon launches once the raw runs they read have ended.
 RUN_START_S = 3.5
 DAEMON_WAIT_S = 15.0
+# The backfill daemon starts a pass every 30 s, plus up to 0.5 s of its sleep loop's step
+# (0.25 s on average). A run it created recently marks one pass: the next ones follow at this
+# period. Older than DAEMON_PHASE_MAX_AGE_S, the drift (and a daemon restart) make the mark
+# worthless and the average wait is counted instead.
+DAEMON_PERIOD_S = 30.25
+DAEMON_PHASE_MAX_AGE_S = 900.0
+BACKFILL_TAG = "dagster/backfill"  # on every run the backfill daemon creates for a backfill
 # A declared table's run (RUN_START to its end), until history has measured it
 # (bench/planner.py, 2026-11-24: 25.4 s for the declared tables of a 6 h range of the demo).
 DECLARED_RUN_S = 25.0
@@ -213,6 +220,8 @@ def make_plan(
     }
     declared_walls = list(declared_runs.values())[:20]
     estimate = predict(
+        daemon_pass=_daemon_pass(instance) if instance is not None else None,
+        now=time.time(),
         records=contract.records,
         partitions=partitions,
         runs=runs,
@@ -290,32 +299,53 @@ def predict(
     sample_rate: float,
     declared_tables: int,
     declared_walls: list[float],
+    daemon_pass: float | None = None,
+    now: float = 0.0,
 ) -> Estimate:
-    """Launch-to-published seconds of a range, phase by phase.
+    """Launch-to-published seconds of a range launched at ``now`` (epoch seconds), phase by
+    phase.
 
     ``history`` holds (records, wall seconds) of earlier raw runs (RUN_START to RUN_SUCCESS,
     current-state table included); a line through them gives the fixed seconds per run and the
     records per second. ``declared_walls`` are earlier runs of the declared tables the range
-    also materializes (``declared_tables`` of them, launched together after the raw runs)."""
+    also materializes (``declared_tables`` of them, launched together after the raw runs).
+    ``daemon_pass`` is when the backfill daemon last started a pass, if known recently: each
+    stage of a backfill then waits until the daemon's next pass, otherwise 15 s on average."""
     overhead, rate, source = _fit(history, sample_rate)
     single = partitions == 1
     waves = math.ceil(runs / max(1, concurrency))
     per_run = records / runs
+    if daemon_pass is not None and not 0 <= now - daemon_pass <= DAEMON_PHASE_MAX_AGE_S:
+        daemon_pass = None
+
+    def wait(at: float) -> float:
+        """Seconds from ``at`` (relative to now) to the backfill daemon's next pass."""
+        if daemon_pass is None:
+            return DAEMON_WAIT_S
+        return (daemon_pass - (now + at)) % DAEMON_PERIOD_S
+
+    launch = RUN_START_S if single else wait(0.0) + RUN_START_S
     breakdown = {
-        "launch": RUN_START_S if single else DAEMON_WAIT_S + RUN_START_S,
+        "launch": launch,
         "raw runs": waves * (overhead + (per_run / rate if rate > 0 else 0.0)),
     }
     if declared_tables:
         wall = statistics.median(declared_walls) if declared_walls else DECLARED_RUN_S
-        breakdown["declared tables"] = DAEMON_WAIT_S + RUN_START_S + wall
+        ready = launch + breakdown["raw runs"]
+        breakdown["declared tables"] = wait(ready) + RUN_START_S + wall
     confidence, basis = _confidence(history, overhead, rate, per_run)
     if declared_tables and not declared_walls:
         basis += f"; declared tables: default {DECLARED_RUN_S:.0f}s per run (no earlier runs)"
         confidence = "medium" if confidence == "high" else confidence
-    if not single:
+    if not single and daemon_pass is None:
         basis += (
             f"; the backfill daemon's pass (every 30 s) adds 0-30 s per stage, counted as "
             f"{DAEMON_WAIT_S:.0f}s"
+        )
+    elif not single:
+        basis += (
+            "; each stage waits for the backfill daemon's next pass (every 30 s), timed from "
+            f"its pass {now - (daemon_pass or now):.0f}s ago, if launched now"
         )
     return Estimate(
         overhead_s=overhead,
@@ -579,6 +609,20 @@ def _version(value: bytes, spec: TopicSpec) -> int | None:
         return None
     version = doc.get(spec.version_field) if isinstance(doc, dict) else None
     return version if isinstance(version, int) else None
+
+
+def _daemon_pass(instance: dg.DagsterInstance) -> float | None:
+    """When the backfill daemon last started a pass, as far as the instance shows: the newest
+    run it created for a backfill (it creates them at the start of a pass)."""
+    newest = None
+    for backfill in instance.get_backfills(limit=3):
+        records = instance.get_run_records(
+            dg.RunsFilter(tags={BACKFILL_TAG: backfill.backfill_id}), limit=1
+        )
+        for record in records:
+            created = record.create_timestamp.timestamp()
+            newest = created if newest is None else max(newest, created)
+    return newest
 
 
 def _history(instance: dg.DagsterInstance, key: dg.AssetKey) -> dict[str, dict[str, float]]:
