@@ -118,6 +118,6 @@ def test_the_local_session_jvm_sizes_its_heap_up_front(spark_session: object) ->
     jvm = spark_session.sparkContext._jvm
     assert jvm is not None
     args = list(jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getInputArguments())
-    assert "-Xms" + spark_session.conf.get("spark.driver.memory", "") in args
+    assert f"-Xms{spark_session.conf.get('spark.driver.memory')}" in args
     heap = jvm.java.lang.management.ManagementFactory.getMemoryMXBean().getHeapMemoryUsage()
     assert heap.getCommitted() >= 0.9 * heap.getMax(), (heap.getCommitted(), heap.getMax())

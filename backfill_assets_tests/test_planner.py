@@ -13,6 +13,7 @@ from backfill_assets.ops.planner import (
     DAEMON_PHASE_MAX_AGE_S,
     DAEMON_WAIT_S,
     DECLARED_RUN_S,
+    DECLARED_WAIT_S,
     RUN_OVERHEAD_S,
     RUN_START_S,
     predict,
@@ -51,26 +52,23 @@ def test_a_range_waits_for_the_backfill_daemon_before_raw_and_declared_runs() ->
         {
             "launch": DAEMON_WAIT_S + RUN_START_S,
             "raw runs": 20.0 + 30.0,
-            "declared tables": DAEMON_WAIT_S + RUN_START_S + 40.0,
+            "declared tables": DECLARED_WAIT_S + RUN_START_S + 40.0,
         }
     )
     assert est.total_s == pytest.approx(sum(est.breakdown.values()))
     assert "backfill daemon" in est.basis
 
 
-def test_a_known_daemon_pass_times_each_stage_to_the_next_pass() -> None:
+def test_a_known_daemon_pass_times_the_first_runs_to_the_next_pass() -> None:
     now = 1_000_000.0
     # The daemon's last pass began 10 s ago: the next one is 20.25 s away.
     est = _predict(declared_tables=1, declared_walls=[40.0], daemon_pass=now - 10.0, now=now)
-    first_wait = DAEMON_PERIOD_S - 10.0
-    launch = first_wait + RUN_START_S
-    assert est.breakdown["launch"] == pytest.approx(launch)
-    # The declared tables are ready when the raw run ends, and wait for the pass after that.
-    ready = now + launch + 50.0
-    passes = [now - 10.0 + k * DAEMON_PERIOD_S for k in range(20)]
-    second_wait = min(p for p in passes if p >= ready) - ready
-    assert est.breakdown["declared tables"] == pytest.approx(second_wait + RUN_START_S + 40.0)
+    assert est.breakdown["launch"] == pytest.approx(DAEMON_PERIOD_S - 10.0 + RUN_START_S)
+    # The declared tables' runs follow the raw runs without a whole pass.
+    assert est.breakdown["declared tables"] == pytest.approx(DECLARED_WAIT_S + RUN_START_S + 40.0)
     assert "ago" in est.basis and "counted as" not in est.basis
+    just_missed = _predict(daemon_pass=now - 0.5, now=now)
+    assert just_missed.breakdown["launch"] == pytest.approx(DAEMON_PERIOD_S - 0.5 + RUN_START_S)
 
 
 @pytest.mark.parametrize("age", [DAEMON_PHASE_MAX_AGE_S + 1.0, -5.0])
@@ -78,7 +76,6 @@ def test_a_stale_or_future_daemon_pass_counts_the_average_wait(age: float) -> No
     now = 1_000_000.0
     est = _predict(declared_tables=1, declared_walls=[40.0], daemon_pass=now - age, now=now)
     assert est.breakdown["launch"] == pytest.approx(DAEMON_WAIT_S + RUN_START_S)
-    assert est.breakdown["declared tables"] == pytest.approx(DAEMON_WAIT_S + RUN_START_S + 40.0)
     assert "counted as" in est.basis
 
 
@@ -122,7 +119,7 @@ def test_declared_tables_without_history_cap_the_confidence() -> None:
     assert est.confidence == "medium"
     assert f"default {DECLARED_RUN_S:.0f}s per run" in est.basis
     assert est.breakdown["declared tables"] == pytest.approx(
-        DAEMON_WAIT_S + RUN_START_S + DECLARED_RUN_S
+        DECLARED_WAIT_S + RUN_START_S + DECLARED_RUN_S
     )
 
 
