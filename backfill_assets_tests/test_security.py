@@ -46,6 +46,13 @@ RANGE = ("2026-02-20-03:00", "2026-02-20-04:00")
 # ------------------------------------------------------------------ settings pass through
 
 
+# Every range reader fetches in large pieces, whatever the security settings.
+FETCH = {
+    "kafka.max.partition.fetch.bytes": str(8 << 20),
+    "kafka.fetch.max.bytes": str(64 << 20),
+}
+
+
 def test_sasl_ssl_scram_reaches_both_clients() -> None:
     s = Settings.from_env(
         {
@@ -65,7 +72,14 @@ def test_sasl_ssl_scram_reaches_both_clients() -> None:
         "sasl.password": "s3cr3t",
         "ssl.ca.location": "/etc/backfill/kafka/ca.pem",
     }
+    # The window scan and the archiver: the same secured client, fetching in large pieces.
+    assert s.kafka.range_reader_config() == {
+        **s.kafka.client_config(),
+        "max.partition.fetch.bytes": 8 << 20,
+        "fetch.max.bytes": 64 << 20,
+    }
     assert s.kafka.spark_options() == {
+        **FETCH,
         "kafka.isolation.level": "read_committed",
         "kafka.bootstrap.servers": "b-1.example:9096,b-2.example:9096",
         "kafka.security.protocol": "SASL_SSL",
@@ -96,6 +110,7 @@ def test_sasl_plaintext_plain_reaches_both_clients() -> None:
     # Quotes and backslashes are escaped for Kafka's JAAS parser (the real-broker test below
     # proves Spark's Java client authenticates with such a password).
     assert s.kafka.spark_options() == {
+        **FETCH,
         "kafka.isolation.level": "read_committed",
         "kafka.bootstrap.servers": "127.0.0.1:29092",
         "kafka.security.protocol": "SASL_PLAINTEXT",

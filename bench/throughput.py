@@ -206,7 +206,8 @@ def librdkafka(settings: Settings, contract: OffsetContract) -> tuple[float, int
     began = time.monotonic()
     consumer = Consumer(
         {
-            **settings.kafka.client_config(),
+            # The window scan's consumer settings (large fetches).
+            **settings.kafka.range_reader_config(),
             "group.id": f"bench-discard-{uuid.uuid4().hex[:6]}",  # never joined: assign only
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,

@@ -438,7 +438,7 @@ class Archive:
         settings = kafka.settings
         consumer = Consumer(
             {
-                **settings.kafka.client_config(),
+                **settings.kafka.range_reader_config(),
                 # Required by librdkafka; never joined (assign, not subscribe) or committed.
                 "group.id": "backfill-assets-archiver",
                 "enable.auto.commit": False,

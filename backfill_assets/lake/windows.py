@@ -446,7 +446,7 @@ def _read_kafka(
         return
     consumer = Consumer(
         {
-            **kafka.settings.kafka.client_config(),
+            **kafka.settings.kafka.range_reader_config(),
             # Required by librdkafka; never joined (assign, not subscribe) or committed.
             "group.id": "backfill-assets-window-scan",
             "enable.auto.commit": False,
