@@ -1,6 +1,7 @@
-"""The pandera contract check gives the same verdict whether it validates in the driver process
-(small windows) or inside Spark executors (large ones), and never validates only part of the
-rows in the driver."""
+"""The pandera contract check gives the same verdict whether pandera validates in the driver
+process (small windows), Spark counts the schema's checks translated to expressions (large ones),
+or pandera validates inside Spark executors (a schema with a check without translation), and
+never validates only part of the rows in the driver."""
 
 from __future__ import annotations
 
@@ -61,13 +62,16 @@ EXPECTED = {
 }
 
 
-def test_driver_and_executors_report_the_same_violations(spark_session: SparkSession) -> None:
+def test_driver_spark_and_executors_report_the_same_violations(
+    spark_session: SparkSession,
+) -> None:
     spec = _orders()
     frame = _frame(spark_session, BROKEN)
     here = checks.schema_contract(frame, spec.columns, at_most=len(BROKEN))
-    there = checks.schema_contract(frame, spec.columns)  # no bound: executors
+    there = checks.schema_contract(frame, spec.columns)  # no bound: Spark expressions
     assert not here.passed and not there.passed
     assert here.metadata["violations"] == there.metadata["violations"]
+    assert checks._violations_in_executors(frame, spec.columns) == here.metadata["violations"]
     violations = here.metadata["violations"]
     for name, n in EXPECTED.items():
         assert violations.get(name) == n, (name, violations)
@@ -93,3 +97,46 @@ def test_an_understated_bound_falls_back_to_the_executors(
     outcome = checks.schema_contract(_frame(spark_session, rows), spec.columns, at_most=2)
     assert not outcome.passed
     assert outcome.metadata["violations"] == {"currency: isin(['EUR', 'USD', 'GBP'])": 1}
+
+
+def test_a_column_of_another_type_fails_its_type_checks_every_way(
+    spark_session: SparkSession,
+) -> None:
+    """A table whose amount column came out as text, and whose time column as a number."""
+    spec = _orders()
+    frame = _frame(spark_session, [_row(i) for i in range(1, 4)]).selectExpr(
+        *[
+            "cast(amount_minor as string) as amount_minor"
+            if c.name == "amount_minor"
+            else "unix_millis(event_time) as event_time"
+            if c.name == "event_time"
+            else c.name
+            for c in spec.columns
+        ]
+    )
+    here = checks.schema_contract(frame, spec.columns, at_most=3)
+    there = checks.schema_contract(frame, spec.columns)
+    assert not there.passed
+    assert there.metadata["violations"] == here.metadata["violations"]
+    assert "event_time: is_datetime" in there.metadata["violations"]
+    assert any(k.startswith("amount_minor: dtype") for k in there.metadata["violations"])
+
+
+def test_a_check_without_a_translation_is_validated_by_pandera_in_executors(
+    spark_session: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pandera.pandas as pa
+
+    spec = _orders()
+    plain = checks.contract_schema
+
+    def with_custom_check(columns: Any) -> pa.DataFrameSchema:
+        schema = plain(columns)
+        custom = pa.Check(lambda s: s.str.startswith("e"), name="starts_with_e")
+        return schema.update_column("event_id", checks=[custom])
+
+    monkeypatch.setattr(checks, "contract_schema", with_custom_check)
+    frame = _frame(spark_session, [_row(1), _row(2, event_id="x2")])
+    assert checks.contract_violations(with_custom_check(spec.columns), frame) is None
+    outcome = checks.schema_contract(frame, spec.columns)
+    assert outcome.metadata["violations"] == {"event_id: starts_with_e": 1}

@@ -459,11 +459,15 @@ def schema_contract(
     :data:`CONTRACT_DRIVER_ROWS` rows are validated here, in the driver process (Arrow to
     pandas, so the driver holds at most that many rows): a small window then does not start
     Spark's Python workers, whose start and pandas/pandera imports cost a fresh run process
-    about 2 s. More rows (or an unknown count) are validated chunk by chunk inside Spark
-    executors. Both ways report the same violations."""
+    about 2 s. More rows (or an unknown count) are counted by Spark with the pandera schema's
+    checks translated to Spark expressions (:func:`contract_violations`, one aggregation, no
+    Python workers); a schema with a check that has no translation is validated by pandera
+    chunk by chunk inside Spark executors. Every way reports the same violations."""
     failed = None
     if at_most is not None and at_most <= CONTRACT_DRIVER_ROWS:
         failed = _violations_here(events, columns)
+    if failed is None:
+        failed = _violations_in_spark(events, columns)
     if failed is None:
         failed = _violations_in_executors(events, columns)
     return CheckOutcome(
@@ -507,6 +511,105 @@ def _violations_here(events: DataFrame, columns: tuple[ColumnSpec, ...]) -> dict
     return {
         f"{col}: {check}": n for col, check, n in _failures(contract_schema(columns), frame) if n
     }
+
+
+def _violations_in_spark(
+    events: DataFrame, columns: tuple[ColumnSpec, ...]
+) -> dict[str, int] | None:
+    """The violations counted by Spark in one aggregation; None if the schema has a check
+    :func:`contract_violations` cannot translate."""
+    from pyspark.sql import functions as F
+
+    counts = contract_violations(contract_schema(columns), events)
+    if counts is None:
+        return None
+    if not counts:
+        return {}
+    row = events.agg(*[F.sum(c).alias(f"_v{i}") for i, c in enumerate(counts.values())]).first()
+    assert row is not None
+    return contract_failures({name: row[f"_v{i}"] for i, name in enumerate(counts)})
+
+
+# pandera checks with a Spark translation (contract_violations).
+_TRANSLATED = (
+    "isin",
+    "greater_than_or_equal_to",
+    "less_than_or_equal_to",
+    "is_str",
+    "is_datetime",
+)
+# A counter named with this suffix is a column-level failure, which pandera reports once.
+_ONCE = " (once)"
+# pandera dtypes and the Spark types whose values pandas receives with that dtype.
+_PANDAS_DTYPES = {"int64": "bigint", "int32": "int", "float64": "double", "bool": "boolean"}
+
+
+def contract_violations(schema: pa.DataFrameSchema, events: DataFrame) -> dict[str, Column] | None:
+    """The pandera ``schema``'s checks as Spark expressions over ``events``: per counter, a
+    0/1 column to sum; :func:`contract_failures` turns the sums into pandera's report
+    (``"<column>: <check>"`` -> failures). None if a check has no translation (then pandera
+    itself must run).
+
+    As in pandera: value checks skip NULLs; a NULL in a non-nullable column fails
+    ``not_nullable``, and in an integer column also its dtype, once (pandas holds it as
+    float); a type check (dtype, ``is_str``, ``is_datetime``) holds when the Spark column has
+    the type whose values pandas receives as that type, else it fails once, and so does every
+    value check of the column."""
+    from pyspark.sql import functions as F
+
+    types = dict(events.dtypes)
+    if set(types) != set(schema.columns):
+        return None  # strict: pandera names the missing or extra columns
+    out: dict[str, Column] = {}
+    for name, column in schema.columns.items():
+        c, spark_type = F.col(name), types[name]
+        fail: dict[str, Column] = {}
+        wrong_type = False
+        if column.dtype is not None:
+            dtype = str(column.dtype)
+            if _PANDAS_DTYPES.get(dtype) != spark_type:
+                fail[f"dtype('{dtype}')" + _ONCE] = F.lit(True)
+                wrong_type = True
+            elif dtype.startswith("int"):
+                fail[f"dtype('{dtype}')" + _ONCE] = c.isNull()
+        for check in column.checks:
+            if check.name in ("is_str", "is_datetime"):
+                wanted = "string" if check.name == "is_str" else "timestamp"
+                wrong_type = wrong_type or spark_type != wanted
+        if not column.nullable:
+            fail["not_nullable"] = c.isNull()
+        for check in column.checks:
+            stats, key = check.statistics, str(check.error or check.name)
+            if check.name not in _TRANSLATED:
+                return None
+            if wrong_type and check.name not in ("is_str", "is_datetime"):
+                # pandera cannot compare values of another type: the check fails, once.
+                fail[key + _ONCE] = F.lit(True)
+            elif check.name == "isin":
+                fail[key] = c.isNotNull() & ~c.isin(list(stats["allowed_values"]))
+            elif check.name == "greater_than_or_equal_to":
+                fail[key] = c < F.lit(stats["min_value"])
+            elif check.name == "less_than_or_equal_to":
+                fail[key] = c > F.lit(stats["max_value"])
+            else:
+                wanted = "string" if check.name == "is_str" else "timestamp"
+                fail[key + _ONCE] = F.lit(spark_type != wanted)
+        for check_name, bad in fail.items():
+            out[f"{name}: {check_name}"] = F.when(bad, 1).otherwise(0)
+    return out
+
+
+def contract_failures(sums: dict[str, Any]) -> dict[str, int]:
+    """pandera's report (``"<column>: <check>"`` -> failures) from the sums of
+    :func:`contract_violations`' counters."""
+    failed: dict[str, int] = {}
+    for counter, total in sums.items():
+        name, n = counter, int(total or 0)
+        if counter.endswith(_ONCE):
+            name, n = counter[: -len(_ONCE)], min(n, 1)
+        if n:
+            failed[name] = failed.get(name, 0) + n
+    return failed
 
 
 def _violations_in_executors(events: DataFrame, columns: tuple[ColumnSpec, ...]) -> dict[str, int]:
