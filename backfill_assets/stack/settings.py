@@ -28,9 +28,14 @@ _SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 _SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER")
 
 
-# Fetch sizes of the consumers that read whole offset ranges (see range_reader_config).
-READER_PARTITION_FETCH_BYTES = 8 << 20
-READER_FETCH_BYTES = 64 << 20
+# librdkafka's pause when its queue is full, for consumers of whole offset ranges (see
+# KafkaSettings.range_reader_config).
+READER_QUEUE_BACKOFF_MS = 10
+# Spark's Kafka consumers (Java client) fetch whole offset ranges in pieces of this size per
+# partition and request (the client's defaults: 1 MiB and 50 MiB); their buffers are on the
+# JVM heap, which the local driver sizes up front.
+SPARK_PARTITION_FETCH_BYTES = 8 << 20
+SPARK_FETCH_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -64,15 +69,12 @@ class KafkaSettings:
 
     def range_reader_config(self) -> dict[str, str | int | float | bool]:
         """:meth:`client_config` for a consumer that reads a fixed offset range start to end
-        (the window scan, the archiver): fetches of up to :data:`READER_PARTITION_FETCH_BYTES`
-        per partition instead of librdkafka's 1 MiB, which made a 489,394-record range wait
-        on a fetch round trip every few thousand records (bench/README.md: 2.5 s -> 0.9 s to
-        consume it). Memory stays bounded by librdkafka's queue (queued.max.messages.kbytes)."""
-        return {
-            **self.client_config(),
-            "max.partition.fetch.bytes": READER_PARTITION_FETCH_BYTES,
-            "fetch.max.bytes": READER_FETCH_BYTES,
-        }
+        (the window scan, the archiver). librdkafka stops fetching for a second
+        (``fetch.queue.backoff.ms``, default 1000) whenever its local queue is full, which a
+        reader that drains the queue in batches hits again and again: a 489,394-record range
+        took 2.4 s to consume, 0.6 s with a 10 ms backoff (bench/README.md), with the same
+        queue bound and so the same memory."""
+        return {**self.client_config(), "fetch.queue.backoff.ms": READER_QUEUE_BACKOFF_MS}
 
     def spark_options(self) -> dict[str, str]:
         """Options for Spark's Kafka source (``kafka.``-prefixed Java client settings)."""
@@ -82,8 +84,8 @@ class KafkaSettings:
             "kafka.isolation.level": "read_committed",
             # Whole offset ranges: larger fetches than the Java client's 1 MiB per partition
             # (bench/README.md: a 489,394-record copy 3.9 s -> 3.5 s).
-            "kafka.max.partition.fetch.bytes": str(READER_PARTITION_FETCH_BYTES),
-            "kafka.fetch.max.bytes": str(READER_FETCH_BYTES),
+            "kafka.max.partition.fetch.bytes": str(SPARK_PARTITION_FETCH_BYTES),
+            "kafka.fetch.max.bytes": str(SPARK_FETCH_BYTES),
         }
         if self.security_protocol != "PLAINTEXT":
             opts["kafka.security.protocol"] = self.security_protocol
