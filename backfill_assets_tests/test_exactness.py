@@ -520,7 +520,8 @@ def test_each_check_blocks_the_fault_it_exists_to_catch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Each fault, audited the way a small window is (figures and pandera in the driver
-    process) and the way a large one is (Spark's aggregation, the contract counted in it)."""
+    process) and the way a large one is (Spark's aggregations; the contract as Spark
+    expressions)."""
     from backfill_assets.lake import checks
 
     if way == "large window":

@@ -140,35 +140,3 @@ def test_an_understated_size_falls_back_to_spark(
     expected = checks.table_figures(branch, quarantine, spec)
     monkeypatch.setattr(checks, "FIGURES_DRIVER_ROWS", 5)
     assert checks.table_figures(branch, quarantine, spec, at_most=3) == expected
-
-
-def test_spark_counts_the_contract_in_the_same_aggregation_as_pandera_does(
-    spark_session: SparkSession,
-) -> None:
-    """A large window's contract is counted by the figures' own Spark aggregation: the same
-    report as pandera's, and the other figures unchanged. The driver's way leaves it to
-    pandera (no "violations")."""
-    spec = _orders()
-    branch, quarantine = _hostile(spark_session)
-    broken = _branch(
-        spark_session,
-        [
-            (H1, 2, 0, 21, _event(9, currency="XXX", amount_minor=-1)),
-            (H1, 2, 1, 22, _event(10, status="lost")),
-        ],
-    )
-    branch = branch.unionByName(broken)
-    there = checks.table_figures(branch, quarantine, spec, contract=True)
-    events = branch.where("NOT is_tombstone").select(*[c.name for c in spec.columns])
-    pandera = checks.schema_contract(events, spec.columns, at_most=20)
-    assert not pandera.passed
-    assert there["violations"] == pandera.metadata["violations"]
-    assert there["violations"]["event_id: not_nullable"] == 2  # the two id-less events
-    assert there["violations"]["currency: isin(['EUR', 'USD', 'GBP'])"] == 1
-    assert there["violations"]["amount_minor: greater_than_or_equal_to(0)"] == 1
-    assert there["violations"]["status: isin(['open', 'paid', 'cancelled'])"] == 1
-    without = checks.table_figures(branch, quarantine, spec)
-    assert {k: v for k, v in there.items() if k != "violations"} == without
-    here = checks.table_figures(branch, quarantine, spec, at_most=20, contract=True)
-    assert "violations" not in here
-    assert here == without

@@ -69,9 +69,8 @@ def run_checks(spark: SparkSession, spec: TopicSpec, outcome: ReplayOutcome) -> 
     The branch and the quarantine rows are read back from the table (only the columns each
     figure needs) and aggregated into every per-hour figure of the checks, the run's own
     figures (set on ``outcome``: what the metadata reports is what was written) and the
-    repeated event ids; the topic's pandera contract is checked over the rows (by pandera in
-    this process for a small window, as Spark expressions counted in the same aggregation for
-    a large one). A window of at most
+    repeated event ids; the rows are checked against the topic's pandera contract (see
+    :func:`schema_contract`). A window of at most
     :data:`FIGURES_DRIVER_ROWS` rows is aggregated in this process from one read (no shuffle
     to plan, compile and run, which a fresh run process pays seconds for); a larger one by
     Spark. Both ways give the same figures.
@@ -83,30 +82,20 @@ def run_checks(spark: SparkSession, spec: TopicSpec, outcome: ReplayOutcome) -> 
     # counted whichever run wrote them (filtering on this run's id made an overlapping run
     # fail its count check instead of being refused at publish).
     quarantine = spark.table(outcome.quarantine_table).where(window_filter(outcome.contract))
-    table_side = table_figures(
-        branch, quarantine, spec, at_most=outcome.records_read, contract=True
-    )
+    table_side = table_figures(branch, quarantine, spec, at_most=outcome.records_read)
     _set_figures(outcome, table_side)
     outcome.resent, outcome.conflicting_ids = table_side["resent"], table_side["conflicting"]
-    violations = table_side.get("violations")
     return [
         _count_reconciliation(table_side, outcome),
         _checksum(table_side, outcome),
-        _schema_contract(branch, spec, outcome.rows_written)
-        if violations is None
-        else _contract_outcome(violations, spec.columns),
+        _schema_contract(branch, spec, outcome.rows_written),
         _uniqueness(table_side),
         _quarantine_ratio(spec, outcome),
     ]
 
 
 def table_figures(
-    branch: DataFrame,
-    quarantine: DataFrame,
-    spec: TopicSpec,
-    *,
-    at_most: int | None = None,
-    contract: bool = False,
+    branch: DataFrame, quarantine: DataFrame, spec: TopicSpec, *, at_most: int | None = None
 ) -> dict[str, Any]:
     """Per hour: rows, quarantined, hash sums of Kafka bytes and of parsed content, rows per
     event-time hour, quarantined per reason; repeated offsets; repeated and conflicting event
@@ -117,32 +106,19 @@ def table_figures(
 
     ``at_most`` bounds the rows when the caller knows one: up to :data:`FIGURES_DRIVER_ROWS`
     rows are read once into this process and aggregated here; more (also when the bound was
-    understated) are aggregated by Spark, in two actions. With ``contract``, Spark's
-    aggregation also counts the events' contract violations (``"violations"``, pandera's
-    report: see :func:`contract_violations`), so the contract costs no read of its own; the
-    driver's way leaves it to :func:`schema_contract`, as does a check without a
-    translation."""
-    counters = None
-    if contract:
-        events = branch.select(*[c.name for c in spec.columns])
-        counters = contract_violations(contract_schema(spec.columns), events)
+    understated) are aggregated by Spark, in two actions."""
+    both = _figure_inputs(branch, quarantine, spec)
     if at_most is not None and at_most <= FIGURES_DRIVER_ROWS:
-        here = _figures_here(_figure_inputs(branch, quarantine, spec))
+        here = _figures_here(both)
         if here is not None:
             return here
-    return _figures_in_spark(_figure_inputs(branch, quarantine, spec, counters), counters)
+    return _figures_in_spark(both)
 
 
-def _figure_inputs(
-    branch: DataFrame,
-    quarantine: DataFrame,
-    spec: TopicSpec,
-    counters: dict[str, Column] | None = None,
-) -> DataFrame:
+def _figure_inputs(branch: DataFrame, quarantine: DataFrame, spec: TopicSpec) -> DataFrame:
     """One row per branch row and per quarantined record: hour (h), partition, offset, Kafka
     bytes hash, is_row, content hash, reason, event hour (e), and for events (not tombstones)
-    their event id and a hash of their payload columns (id_content); with ``counters``, also
-    the events' contract counters (``_c0``, ``_c1``..., 0 for anything else)."""
+    their event id and a hash of their payload columns (id_content)."""
     from pyspark.sql import functions as F
 
     content_cols = ["kafka_partition", "kafka_offset", "is_tombstone"]
@@ -151,7 +127,6 @@ def _figure_inputs(
     event_hour = F.when(event, F.unix_millis(F.date_trunc("hour", F.col(spec.event_time_field))))
     (id_type,) = [c.type for c in spec.columns if c.name == spec.event_id_field]
     payload = F.xxhash64(*[F.col(c.name) for c in spec.columns])
-    counted = list((counters or {}).values())
     return branch.select(
         F.unix_millis("kafka_hour").alias("h"),
         "kafka_partition",
@@ -163,7 +138,6 @@ def _figure_inputs(
         event_hour.alias("e"),
         F.when(event, F.col(spec.event_id_field)).alias("id"),
         F.when(event, payload).alias("id_content"),
-        *[F.when(event, c).otherwise(0).alias(f"_c{i}") for i, c in enumerate(counted)],
     ).unionByName(
         quarantine.select(
             F.unix_millis("kafka_hour").alias("h"),
@@ -176,7 +150,6 @@ def _figure_inputs(
             F.lit(None).cast("bigint").alias("e"),
             F.lit(None).cast(id_type).alias("id"),
             F.lit(None).cast("bigint").alias("id_content"),
-            *[F.lit(0).alias(f"_c{i}") for i in range(len(counted))],
         )
     )
 
@@ -250,15 +223,13 @@ def _least(a: Any, b: Any) -> Any:
     return min(a, b)
 
 
-def _figures_in_spark(both: DataFrame, counters: dict[str, Column] | None = None) -> dict[str, Any]:
-    """:func:`table_figures` aggregated by Spark: the figures (and the contract's counters, if
-    ``both`` has them) in one action, the repeated ids in another (so the driver receives one
-    row per (hour, reason, event hour), not per row)."""
+def _figures_in_spark(both: DataFrame) -> dict[str, Any]:
+    """:func:`table_figures` aggregated by Spark: the figures in one action, the repeated ids
+    in another (so the driver receives one row per (hour, reason, event hour), not per row)."""
     from pyspark.sql import functions as F
 
     both = both.select("*", *_halves(F.col("hash"), "hash"), *_halves(F.col("content"), "content"))
     sums = [f"{name}_{half}" for name in ("hash", "content") for half in ("high", "low")]
-    sums += [f"_c{i}" for i in range(len(counters or {}))]
     per_offset = both.groupBy("kafka_partition", "kafka_offset").agg(
         F.min("h").alias("h"),
         F.count("*").alias("n"),
@@ -273,7 +244,6 @@ def _figures_in_spark(both: DataFrame, counters: dict[str, Column] | None = None
         *[F.sum(c).alias(c) for c in sums],
         F.sum(F.col("n") - 1).alias("repeated"),
     )
-    collected = groups.collect()
     figures = _summarise(
         (
             r["h"],
@@ -285,12 +255,8 @@ def _figures_in_spark(both: DataFrame, counters: dict[str, Column] | None = None
             _whole(r, "content"),
             int(r["repeated"]),
         )
-        for r in collected
+        for r in groups.collect()
     )
-    if counters is not None:
-        figures["violations"] = contract_failures(
-            {name: sum(int(r[f"_c{i}"] or 0) for r in collected) for i, name in enumerate(counters)}
-        )
     # An id's copies differ when their content hashes do: min != max says so without the
     # second shuffle a count of distinct hashes costs (0.77 s instead of 1.40 s, 475k rows).
     ids = (
@@ -505,10 +471,6 @@ def schema_contract(
         failed = _violations_in_spark(events, columns)
     if failed is None:
         failed = _violations_in_executors(events, columns)
-    return _contract_outcome(failed, columns)
-
-
-def _contract_outcome(failed: dict[str, int], columns: tuple[ColumnSpec, ...]) -> CheckOutcome:
     return CheckOutcome(
         "schema_contract",
         not failed,
