@@ -34,3 +34,40 @@ def test_unresolved_cache_names_the_command(stack_settings: Settings, tmp_path: 
 def test_unknown_set_lists_the_known_ones() -> None:
     with pytest.raises(JarResolutionError, match="kafka-broker, spark"):
         jars.pom_path("flink")
+
+
+def test_udf_jar_is_built_once_and_named_by_its_sources(
+    stack_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The project's JVM functions compile into the cache on first use; a second call reuses
+    the jar, a changed source builds a new one under a new name."""
+    import zipfile
+
+    cache = dataclasses.replace(stack_settings, jar_cache=tmp_path)
+    built = jars.udf_jar(cache)
+    assert built.parent == tmp_path / "udf" and built == jars.udf_jar_path(cache)
+    with zipfile.ZipFile(built) as jar:
+        assert "backfill_assets/udf/StrictJson.class" in jar.namelist()
+    stamp = built.stat().st_mtime_ns
+    assert jars.udf_jar(cache) == built and built.stat().st_mtime_ns == stamp
+    assert not list((tmp_path / "udf").glob("tmp*")), "no build directory left behind"
+
+    import shutil
+
+    changed = tmp_path / "java"
+    shutil.copytree(jars.JAVA_SOURCES, changed)
+    source = next(changed.rglob("StrictJson.java"))
+    source.write_text(source.read_text() + "\n// changed\n")
+    monkeypatch.setattr(jars, "JAVA_SOURCES", changed)
+    rebuilt = jars.udf_jar(cache)
+    assert rebuilt != built and rebuilt.is_file() and built.is_file()
+
+
+def test_udf_jar_without_a_jdk_names_what_to_install(
+    stack_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = dataclasses.replace(stack_settings, jar_cache=tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no javac on it
+    with pytest.raises(JarResolutionError, match=r"javac is not on PATH.*jars resolve"):
+        jars.udf_jar(cache)
+    assert not jars.udf_jar_path(cache).exists()

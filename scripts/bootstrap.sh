@@ -3,12 +3,13 @@
 #   .venv with the pinned Python packages (re-installed only when pyproject.toml changes)
 #   JVM jars from Maven Central into .stack/jars (re-resolved only when a pom changes)
 #   the Spark driver's class-data-sharing archive in .stack/jars/cds (built once per jar set)
-# Needs: python3.11+, a JDK 17+ (java) and Maven (mvn) on PATH.
+#   the project's JVM functions (backfill_assets/stack/java), compiled into .stack/jars/udf
+# Needs: python3.11+, a JDK 17+ (java, javac) and Maven (mvn) on PATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-for tool in python3 java mvn; do
-  command -v "$tool" >/dev/null || { echo "bootstrap: '$tool' is not on PATH (need Python 3.11+, JDK 17+, Maven)" >&2; exit 1; }
+for tool in python3 java javac mvn; do
+  command -v "$tool" >/dev/null || { echo "bootstrap: '$tool' is not on PATH (need Python 3.11+, a JDK 17+ with javac, Maven)" >&2; exit 1; }
 done
 
 if [ ! -x .venv/bin/python ]; then

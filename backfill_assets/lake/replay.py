@@ -9,11 +9,11 @@ Steps, and what is atomic:
 2. **Read**: Spark's Kafka batch source reads exactly those offsets, committed records only,
    in executors; every record is tagged with the hour whose range holds it (``kafka_hour``),
    whatever its own timestamp, and with a hash of its Kafka bytes (``record_hash``).
-3. **Parse**: payloads are parsed to VARIANT and upcast per schema version; a record that fails
-   (invalid JSON, unknown version, a contract column NULL or out of range) is quarantined with
-   its offsets, raw bytes and reason. Nothing else is dropped: the raw table is the committed
-   log, one row per record (re-sends and corrections included; derived tables apply the
-   duplicates rule). Tombstones stay as rows with ``is_tombstone``.
+3. **Parse**: payloads are read by one strict JSON pass in the JVM and upcast per schema
+   version; a record that fails (invalid JSON, unknown version, a contract column NULL or out
+   of range) is quarantined with its offsets, raw bytes and reason. Nothing else is dropped:
+   the raw table is the committed log, one row per record (re-sends and corrections included;
+   derived tables apply the duplicates rule). Tombstones stay as rows with ``is_tombstone``.
 4. **Write**: quarantine rows overwrite the window's hours in the quarantine table (one atomic
    commit, kept even if the run fails, as evidence). Table rows overwrite the window's hours on
    a branch unique to the run (one atomic commit on the branch; main is not touched).
@@ -385,17 +385,32 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
     rule for every kind of bad input, first match wins, is in :data:`QUARANTINE_RULES`; a
     tombstone (NULL value) is a row.
 
-    The projection is built in stages, each a column the next one reads (the JSON is parsed
-    once, each field looked up once per version, the reason reads the typed columns):
-    Spark keeps a stage whose columns are read more than once instead of inlining it, and the
-    disk cache at the end keeps the filters on ``_reason`` from being pushed below the stages
-    with every expression inlined (``test_raw_asset`` asserts the JSON is parsed once).
+    The JSON is read once per record by the strict JVM reader
+    (:class:`~backfill_assets.lake.transforms.StrictReader`), which returns every field the
+    upcasters ask for; the projection is built in stages, each a column the next one reads (the
+    typed columns read the reader's struct, the reason reads the typed columns): Spark keeps a
+    stage whose columns are read more than once instead of inlining it, and the disk cache at
+    the end keeps the filters on ``_reason`` from being pushed below the stages with every
+    expression inlined (``test_raw_asset`` asserts the JSON is parsed once).
     """
     from pyspark.sql import functions as F
 
-    from backfill_assets.lake.transforms import json_field
+    from backfill_assets.lake.transforms import StrictReader, json_field, reading
 
     value_str = F.col("value").cast("string")
+    v = F.col("_v")
+    # The upcasters' fields are read by one strict JVM pass over the text (StrictReader); it
+    # also says whether the text is exactly one JSON value and whether that is an object.
+    reader = StrictReader(v, "_j")
+    with reading(reader):
+        if spec.version_field is None:  # no version field: every record is the latest version
+            version_expr = F.lit(spec.latest_version).cast("int")
+        else:
+            version_expr = json_field(v, f"$.{spec.version_field}", "int")
+        upcast = {ver: spec.upcaster(ver)(v) for ver in spec.versions}
+        present = reader.field(f"$.{spec.key_field}", "present")
+    # A field the JVM reader cannot read (an upcaster's own VARIANT expression) reads ``_v``,
+    # the payload as VARIANT; unused, Spark prunes it and the text is parsed once.
     # Spark's JSON parser stops after the first value, so '{...} junk' or '{...}{...}' would
     # parse as the first object and silently lose the rest. Parsed as the first element of an
     # array closed by a sentinel, only a record holding exactly one JSON value parses whole.
@@ -409,28 +424,26 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
         F.col("key").alias("kafka_key"),
         F.col("value").alias("kafka_value"),
         F.col("value").isNull().alias("is_tombstone"),
+        reader.call(raw.sparkSession, value_str).alias("_j"),
         F.try_parse_json(F.concat(F.lit("["), value_str, F.lit(f',"{_END}"]'))).alias("_w"),
     )
-    kafka_cols = [c for c in df.columns if c != "_w"]
+    kafka_cols = [c for c in df.columns if c not in ("_j", "_w")]
     w = F.col("_w")
     whole = (F.try_variant_get(w, "$[1]", "string") == F.lit(_END)) & F.try_variant_get(
         w, "$[2]", "variant"
     ).isNull()
-    df = df.select(*kafka_cols, F.when(whole, F.try_variant_get(w, "$[0]", "variant")).alias("_v"))
-    v = F.col("_v")
-    if spec.version_field is None:  # no version field: every record is the latest version
-        version_expr = F.lit(spec.latest_version).cast("int")
-    else:
-        version_expr = json_field(v, f"$.{spec.version_field}", "int")
+    df = df.select(
+        *kafka_cols, "_j", F.when(whole, F.try_variant_get(w, "$[0]", "variant")).alias("_v")
+    )
     df = df.select(
         *kafka_cols,
+        "_j",
         "_v",
         version_expr.alias("schema_version"),
-        F.try_variant_get(v, "$", "struct<_:variant>").isNotNull().alias("_object"),
+        F.coalesce(reader.is_object(), F.lit(False)).alias("_object"),
     )
     version = F.col("schema_version")
     versions = spec.versions
-    upcast = {ver: spec.upcaster(ver)(v) for ver in versions}
     typed: list[Column] = []
     for col in spec.columns:
         branches = [upcast[ver].get(col.name, F.lit(None)) for ver in versions]
@@ -450,14 +463,17 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
             expr = case
         typed.append(expr.cast(_SPARK_TYPES[col.type]).alias(col.name))
     col_names = [c.name for c in spec.columns]
-    df = df.select(*kafka_cols, "_v", "schema_version", "_object", *typed)
+    df = df.select(*kafka_cols, "_j", "_v", "schema_version", "_object", *typed)
     # The key stands in for a key field the payload lacks (tombstones), if it is UTF-8 text.
     key_str = F.col("kafka_key").cast("string")
-    absent = F.try_variant_get(v, f"$.{spec.key_field}", "variant").isNull()
+    if present is None:
+        absent = F.try_variant_get(v, f"$.{spec.key_field}", "variant").isNull()
+    else:
+        absent = ~F.coalesce(present, F.lit(False))
     key_text = F.when(absent & F.is_valid_utf8(key_str), key_str)
     df = df.select(
         *kafka_cols,
-        F.col("_v").isNull().alias("_invalid_json"),
+        (~F.coalesce(reader.whole(), F.lit(False))).alias("_invalid_json"),
         "schema_version",
         "_object",
         *[

@@ -273,10 +273,13 @@ def jars_command(ui: Ui, settings: Settings, action: str) -> int:
 
 
 def _resolve_jars(settings: Settings) -> dict[str, dict[str, Any]]:
-    return {
+    resolved = {
         jar_set: {"resolved": ran, "dir": str(jars.jar_dir(settings, jar_set))}
         for jar_set, ran in jars.resolve_all(settings).items()
     }
+    built = not jars.udf_jar_path(settings).is_file()
+    resolved["udf"] = {"resolved": built, "dir": str(jars.udf_jar(settings).parent)}
+    return resolved
 
 
 @cli.command("kafka", short_help="Manage the embedded local Kafka broker (KRaft).")

@@ -94,3 +94,70 @@ def jars(settings: Settings, jar_set: str) -> list[Path]:
 
 def _pom_hash(jar_set: str) -> str:
     return hashlib.sha256(pom_path(jar_set).read_bytes()).hexdigest()
+
+
+JAVA_SOURCES = Path(__file__).parent / "java"
+
+
+def udf_jar_path(settings: Settings) -> Path:
+    """Where :func:`udf_jar` keeps the jar for these sources and this pyspark."""
+    import pyspark
+
+    digest = hashlib.sha256(pyspark.__version__.encode())
+    for src in sorted(JAVA_SOURCES.rglob("*.java")):
+        digest.update(src.relative_to(JAVA_SOURCES).as_posix().encode())
+        digest.update(src.read_bytes())
+    return settings.jar_cache / "udf" / f"backfill-udf-{digest.hexdigest()[:16]}.jar"
+
+
+def udf_jar(settings: Settings) -> Path:
+    """The project's own JVM functions (``stack/java``: the raw parse's strict JSON reader),
+    compiled against this pyspark's jars into ``<jar_cache>/udf/``; built on first use.
+
+    The jar is named by the hash of its sources and of pyspark's version, so a change to either
+    builds a new one. It is written to a temporary name and renamed into place (atomic). Needs a
+    JDK (``javac``) where the Spark driver runs; the driver ships the jar to executors
+    (``spark.jars``)."""
+    import pyspark
+
+    target = udf_jar_path(settings)
+    if target.is_file():
+        return target
+    javac = shutil.which("javac")
+    if javac is None:
+        raise JarResolutionError(
+            "javac is not on PATH: the Spark driver needs a JDK 17 to build the project's JVM "
+            "functions (apt-get install openjdk-17-jdk-headless), then run "
+            "`backfill-assets jars resolve` again"
+        )
+    import tempfile
+    import zipfile
+
+    sources = sorted(JAVA_SOURCES.rglob("*.java"))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    spark_jars = Path(pyspark.__file__).parent / "jars"
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        classes = Path(tmp) / "classes"
+        cmd = [
+            javac,
+            "--release",
+            "17",
+            "-nowarn",
+            "-cp",
+            f"{spark_jars}/*",
+            "-d",
+            str(classes),
+            *map(str, sources),
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise JarResolutionError(
+                f"javac could not build the project's JVM functions from {JAVA_SOURCES}:\n"
+                + "\n".join((proc.stderr or proc.stdout).splitlines()[:10])
+            )
+        staging = Path(tmp) / target.name
+        with zipfile.ZipFile(staging, "w", zipfile.ZIP_DEFLATED) as jar:
+            for cls in sorted(classes.rglob("*.class")):
+                jar.write(cls, cls.relative_to(classes).as_posix())
+        staging.replace(target)
+    return target

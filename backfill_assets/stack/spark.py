@@ -31,7 +31,9 @@ def spark_config(settings: Settings, extra: Mapping[str, object] | None = None) 
     conf = {
         "spark.master": settings.spark_master,
         "spark.app.name": "backfill_assets",
-        "spark.jars": ",".join(str(p) for p in jars.jars(settings, "spark")),
+        "spark.jars": ",".join(
+            str(p) for p in [*jars.jars(settings, "spark"), jars.udf_jar(settings)]
+        ),
         "spark.sql.extensions": (
             "org.apache.iceberg.spark.extensions.IcebergSparkSessionExtensions"
         ),
