@@ -140,3 +140,28 @@ def test_an_understated_size_falls_back_to_spark(
     expected = checks.table_figures(branch, quarantine, spec)
     monkeypatch.setattr(checks, "FIGURES_DRIVER_ROWS", 5)
     assert checks.table_figures(branch, quarantine, spec, at_most=3) == expected
+
+
+def test_both_ways_agree_when_no_offset_repeats(spark_session: SparkSession) -> None:
+    """Without a repeated offset Spark skips the per-offset grouping (one aggregation that
+    combines before its shuffle); the figures must still be the driver's, resent and
+    conflicting ids included, and one repeat brought back must be counted again."""
+    spec = _orders()
+    branch, quarantine = _hostile(spark_session)
+    # Drop the copies that repeat an offset: 0/2 in H1 and the quarantined 1/7.
+    branch = branch.where("NOT (kafka_partition = 0 AND kafka_offset = 2 AND record_hash = 7)")
+    quarantine = quarantine.where("NOT (kafka_partition = 1 AND kafka_offset = 7)")
+    here = checks.table_figures(branch, quarantine, spec, at_most=16)
+    there = checks.table_figures(branch, quarantine, spec)
+    assert here == there
+    assert there["repeated_offsets"] == 0
+    assert there["resent"] == 3  # e4 twice more, one id-less event more
+    assert there["conflicting"] == 2
+    h1 = hour_key(int(H1.timestamp() * 1000))
+    assert there["per_hour"][h1] == {
+        "rows": 8,  # 1/0 .. 1/7 (the copy of 0/2 that was in H1 is gone)
+        "quarantined": 1,
+        "hash_sum": sum(range(11, 19)) + 2**63 - 1,
+    }
+    again = checks.table_figures(branch.unionByName(branch.limit(1)), quarantine, spec)
+    assert again["repeated_offsets"] == 1

@@ -106,7 +106,7 @@ def table_figures(
 
     ``at_most`` bounds the rows when the caller knows one: up to :data:`FIGURES_DRIVER_ROWS`
     rows are read once into this process and aggregated here; more (also when the bound was
-    understated) are aggregated by Spark, in two actions."""
+    understated) are aggregated by Spark, in two actions (:func:`_figures_in_spark`)."""
     both = _figure_inputs(branch, quarantine, spec)
     if at_most is not None and at_most <= FIGURES_DRIVER_ROWS:
         here = _figures_here(both)
@@ -224,26 +224,41 @@ def _least(a: Any, b: Any) -> Any:
 
 
 def _figures_in_spark(both: DataFrame) -> dict[str, Any]:
-    """:func:`table_figures` aggregated by Spark: the figures in one action, the repeated ids
-    in another (so the driver receives one row per (hour, reason, event hour), not per row)."""
+    """:func:`table_figures` aggregated by Spark, so the driver receives one row per (hour,
+    reason, event hour), not per row. Two actions: the repeats (offsets seen more than once,
+    event ids seen more than once and those whose copies differ), then the figures.
+
+    When no offset repeats, grouping by offset first changes nothing, so the figures are one
+    aggregation by (hour, reason, event hour), which Spark combines before its shuffle. Only
+    when an offset repeats are they grouped by offset first (the rule in
+    :func:`table_figures`), which shuffles every row."""
     from pyspark.sql import functions as F
 
+    repeats = _repeats(both)
     both = both.select("*", *_halves(F.col("hash"), "hash"), *_halves(F.col("content"), "content"))
     sums = [f"{name}_{half}" for name in ("hash", "content") for half in ("high", "low")]
-    per_offset = both.groupBy("kafka_partition", "kafka_offset").agg(
-        F.min("h").alias("h"),
-        F.count("*").alias("n"),
-        F.sum("is_row").alias("rows"),
-        *[F.sum(c).alias(c) for c in sums],
-        F.min("reason").alias("reason"),
-        F.min("e").alias("e"),
-    )
-    groups = per_offset.groupBy("h", "reason", "e").agg(
-        F.sum("rows").alias("rows"),
-        F.sum(F.col("n") - F.col("rows")).alias("quarantined"),
-        *[F.sum(c).alias(c) for c in sums],
-        F.sum(F.col("n") - 1).alias("repeated"),
-    )
+    if repeats["offsets"] == 0:
+        groups = both.groupBy("h", "reason", "e").agg(
+            F.sum("is_row").alias("rows"),
+            F.sum(1 - F.col("is_row")).alias("quarantined"),
+            *[F.sum(c).alias(c) for c in sums],
+            F.lit(0).alias("repeated"),
+        )
+    else:
+        per_offset = both.groupBy("kafka_partition", "kafka_offset").agg(
+            F.min("h").alias("h"),
+            F.count("*").alias("n"),
+            F.sum("is_row").alias("rows"),
+            *[F.sum(c).alias(c) for c in sums],
+            F.min("reason").alias("reason"),
+            F.min("e").alias("e"),
+        )
+        groups = per_offset.groupBy("h", "reason", "e").agg(
+            F.sum("rows").alias("rows"),
+            F.sum(F.col("n") - F.col("rows")).alias("quarantined"),
+            *[F.sum(c).alias(c) for c in sums],
+            F.sum(F.col("n") - 1).alias("repeated"),
+        )
     figures = _summarise(
         (
             r["h"],
@@ -257,26 +272,53 @@ def _figures_in_spark(both: DataFrame) -> dict[str, Any]:
         )
         for r in groups.collect()
     )
-    # An id's copies differ when their content hashes do: min != max says so without the
-    # second shuffle a count of distinct hashes costs (0.77 s instead of 1.40 s, 475k rows).
-    ids = (
-        both.where(F.col("id_content").isNotNull())
-        .groupBy("id")
-        .agg(
-            F.count("*").alias("n"),
-            F.min("id_content").alias("low"),
-            F.max("id_content").alias("high"),
-        )
+    figures["resent"], figures["conflicting"] = repeats["resent"], repeats["conflicting"]
+    return figures
+
+
+def _repeats(both: DataFrame) -> dict[str, int]:
+    """In one aggregation (one read, one shuffle of narrow keys): copies beyond the first of
+    every (partition, offset) (``offsets``) and of every event id (``resent``), and the ids
+    whose copies differ (``conflicting``: their content hashes' min != max, without the second
+    shuffle a count of distinct hashes costs)."""
+    from pyspark.sql import functions as F
+
+    id_type = both.schema["id"].dataType.simpleString()
+    keys = F.array(
+        F.struct(
+            F.lit(0).alias("kind"),
+            F.col("kafka_partition").alias("p"),
+            F.col("kafka_offset").alias("o"),
+            F.lit(None).cast(id_type).alias("id"),
+            F.lit(None).cast("bigint").alias("c"),
+        ),
+        F.when(
+            F.col("id_content").isNotNull(),
+            F.struct(
+                F.lit(1).alias("kind"),
+                F.lit(None).cast("int").alias("p"),
+                F.lit(None).cast("bigint").alias("o"),
+                F.col("id").alias("id"),
+                F.col("id_content").alias("c"),
+            ),
+        ),
+    )
+    row = (
+        both.select(F.explode(keys).alias("k"))
+        .where(F.col("k").isNotNull())
+        .select("k.*")
+        .groupBy("kind", "p", "o", "id")
+        .agg(F.count("*").alias("n"), F.min("c").alias("low"), F.max("c").alias("high"))
         .where(F.col("n") > 1)
         .agg(
-            F.coalesce(F.sum(F.col("n") - 1), F.lit(0)).alias("resent"),
-            F.coalesce(F.count_if(F.col("low") != F.col("high")), F.lit(0)).alias("conflicting"),
+            F.coalesce(F.sum(F.when(F.col("kind") == 0, F.col("n") - 1)), F.lit(0)).alias("o"),
+            F.coalesce(F.sum(F.when(F.col("kind") == 1, F.col("n") - 1)), F.lit(0)).alias("r"),
+            F.count_if((F.col("kind") == 1) & (F.col("low") != F.col("high"))).alias("c"),
         )
         .first()
     )
-    assert ids is not None
-    figures["resent"], figures["conflicting"] = int(ids["resent"]), int(ids["conflicting"])
-    return figures
+    assert row is not None
+    return {"offsets": int(row["o"]), "resent": int(row["r"]), "conflicting": int(row["c"])}
 
 
 def _summarise(groups: Iterable[_Group]) -> dict[str, Any]:
