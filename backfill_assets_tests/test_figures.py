@@ -165,3 +165,39 @@ def test_both_ways_agree_when_no_offset_repeats(spark_session: SparkSession) -> 
     }
     again = checks.table_figures(branch.unionByName(branch.limit(1)), quarantine, spec)
     assert again["repeated_offsets"] == 1
+
+
+def test_the_contract_counted_with_the_figures_is_pandera_s_report(
+    spark_session: SparkSession,
+) -> None:
+    """A large window without repeated offsets counts the contract in the figures'
+    aggregation: the report must be the one schema_contract gives for the same events
+    (tombstones and quarantined records excluded); with a repeated offset it is not counted
+    there and the check runs on its own."""
+    from pyspark.sql import functions as F
+
+    spec = _orders()
+    branch, quarantine = _hostile(spark_session)
+    branch = branch.where("NOT (kafka_partition = 0 AND kafka_offset = 2 AND record_hash = 7)")
+    quarantine = quarantine.where("NOT (kafka_partition = 1 AND kafka_offset = 7)")
+    # Break two more rules: a status outside the allowed list, a negative amount.
+    bad = F.col("kafka_partition") == 1
+    branch = branch.withColumn(
+        "status", F.when(bad & (F.col("kafka_offset") == 0), "bogus").otherwise(F.col("status"))
+    ).withColumn(
+        "amount_minor",
+        F.when(bad & (F.col("kafka_offset") == 1), -5).otherwise(F.col("amount_minor")),
+    )
+    figures = checks.table_figures(branch, quarantine, spec, contract=True)
+    events = branch.where(~F.col("is_tombstone")).select(*[c.name for c in spec.columns])
+    alone = checks.schema_contract(events, spec.columns)
+    assert figures["contract"] == alone.metadata["violations"]
+    assert len(figures["contract"]) >= 3  # the two broken rules and the id-less events
+    assert checks.contract_outcome(figures["contract"], spec.columns) == alone
+    # Without repeated offsets the figures are the same with or without the contract.
+    plain = checks.table_figures(branch, quarantine, spec)
+    assert {k: v for k, v in figures.items() if k != "contract"} == plain
+    repeated = checks.table_figures(
+        branch.unionByName(branch.limit(1)), quarantine, spec, contract=True
+    )
+    assert "contract" not in repeated

@@ -70,7 +70,8 @@ def run_checks(spark: SparkSession, spec: TopicSpec, outcome: ReplayOutcome) -> 
     figure needs) and aggregated into every per-hour figure of the checks, the run's own
     figures (set on ``outcome``: what the metadata reports is what was written) and the
     repeated event ids; the rows are checked against the topic's pandera contract (see
-    :func:`schema_contract`). A window of at most
+    :func:`schema_contract`; a large window's contract is counted in the figures' own
+    aggregation when no offset repeats). A window of at most
     :data:`FIGURES_DRIVER_ROWS` rows is aggregated in this process from one read (no shuffle
     to plan, compile and run, which a fresh run process pays seconds for); a larger one by
     Spark. Both ways give the same figures.
@@ -82,20 +83,30 @@ def run_checks(spark: SparkSession, spec: TopicSpec, outcome: ReplayOutcome) -> 
     # counted whichever run wrote them (filtering on this run's id made an overlapping run
     # fail its count check instead of being refused at publish).
     quarantine = spark.table(outcome.quarantine_table).where(window_filter(outcome.contract))
-    table_side = table_figures(branch, quarantine, spec, at_most=outcome.records_read)
+    table_side = table_figures(
+        branch, quarantine, spec, at_most=outcome.records_read, contract=True
+    )
     _set_figures(outcome, table_side)
     outcome.resent, outcome.conflicting_ids = table_side["resent"], table_side["conflicting"]
+    counted = table_side.pop("contract", None)
     return [
         _count_reconciliation(table_side, outcome),
         _checksum(table_side, outcome),
-        _schema_contract(branch, spec, outcome.rows_written),
+        _schema_contract(branch, spec, outcome.rows_written)
+        if counted is None
+        else contract_outcome(counted, spec.columns),
         _uniqueness(table_side),
         _quarantine_ratio(spec, outcome),
     ]
 
 
 def table_figures(
-    branch: DataFrame, quarantine: DataFrame, spec: TopicSpec, *, at_most: int | None = None
+    branch: DataFrame,
+    quarantine: DataFrame,
+    spec: TopicSpec,
+    *,
+    at_most: int | None = None,
+    contract: bool = False,
 ) -> dict[str, Any]:
     """Per hour: rows, quarantined, hash sums of Kafka bytes and of parsed content, rows per
     event-time hour, quarantined per reason; repeated offsets; repeated and conflicting event
@@ -106,19 +117,35 @@ def table_figures(
 
     ``at_most`` bounds the rows when the caller knows one: up to :data:`FIGURES_DRIVER_ROWS`
     rows are read once into this process and aggregated here; more (also when the bound was
-    understated) are aggregated by Spark, in two actions (:func:`_figures_in_spark`)."""
-    both = _figure_inputs(branch, quarantine, spec)
+    understated) are aggregated by Spark, in two actions (:func:`_figures_in_spark`).
+
+    With ``contract``, the Spark way also counts the violations of the topic's contract by the
+    window's events (:func:`contract_violations`) in its figures' aggregation, when no offset
+    repeats and every check has a translation: ``figures["contract"]`` is then pandera's
+    report (what :func:`schema_contract` would say, without reading the branch again);
+    otherwise the key is absent and the contract must be checked on its own."""
     if at_most is not None and at_most <= FIGURES_DRIVER_ROWS:
-        here = _figures_here(both)
+        here = _figures_here(_figure_inputs(branch, quarantine, spec))
         if here is not None:
             return here
-    return _figures_in_spark(both)
+    counters = None
+    if contract:
+        events = branch.select(*[c.name for c in spec.columns])
+        counters = contract_violations(contract_schema(spec.columns), events)
+    return _figures_in_spark(_figure_inputs(branch, quarantine, spec, counters), counters)
 
 
-def _figure_inputs(branch: DataFrame, quarantine: DataFrame, spec: TopicSpec) -> DataFrame:
+def _figure_inputs(
+    branch: DataFrame,
+    quarantine: DataFrame,
+    spec: TopicSpec,
+    counters: dict[str, Column] | None = None,
+) -> DataFrame:
     """One row per branch row and per quarantined record: hour (h), partition, offset, Kafka
     bytes hash, is_row, content hash, reason, event hour (e), and for events (not tombstones)
-    their event id and a hash of their payload columns (id_content)."""
+    their event id and a hash of their payload columns (id_content); with ``counters`` (the
+    contract's, see :func:`contract_violations`) also ``_c0``, ``_c1``...: each counter for
+    events, 0 for tombstones and quarantined records."""
     from pyspark.sql import functions as F
 
     content_cols = ["kafka_partition", "kafka_offset", "is_tombstone"]
@@ -138,6 +165,10 @@ def _figure_inputs(branch: DataFrame, quarantine: DataFrame, spec: TopicSpec) ->
         event_hour.alias("e"),
         F.when(event, F.col(spec.event_id_field)).alias("id"),
         F.when(event, payload).alias("id_content"),
+        *[
+            F.when(event, counter).otherwise(0).alias(f"_c{i}")
+            for i, counter in enumerate((counters or {}).values())
+        ],
     ).unionByName(
         quarantine.select(
             F.unix_millis("kafka_hour").alias("h"),
@@ -150,6 +181,7 @@ def _figure_inputs(branch: DataFrame, quarantine: DataFrame, spec: TopicSpec) ->
             F.lit(None).cast("bigint").alias("e"),
             F.lit(None).cast(id_type).alias("id"),
             F.lit(None).cast("bigint").alias("id_content"),
+            *[F.lit(0).alias(f"_c{i}") for i in range(len(counters or {}))],
         )
     )
 
@@ -223,7 +255,7 @@ def _least(a: Any, b: Any) -> Any:
     return min(a, b)
 
 
-def _figures_in_spark(both: DataFrame) -> dict[str, Any]:
+def _figures_in_spark(both: DataFrame, counters: dict[str, Column] | None = None) -> dict[str, Any]:
     """:func:`table_figures` aggregated by Spark, so the driver receives one row per (hour,
     reason, event hour), not per row. Two actions: the repeats (offsets seen more than once,
     event ids seen more than once and those whose copies differ), then the figures.
@@ -231,10 +263,13 @@ def _figures_in_spark(both: DataFrame) -> dict[str, Any]:
     When no offset repeats, grouping by offset first changes nothing, so the figures are one
     aggregation by (hour, reason, event hour), which Spark combines before its shuffle. Only
     when an offset repeats are they grouped by offset first (the rule in
-    :func:`table_figures`), which shuffles every row."""
+    :func:`table_figures`), which shuffles every row. ``counters`` (columns ``_c0``... of
+    ``both``) are summed in the first case only: ``figures["contract"]``."""
     from pyspark.sql import functions as F
 
     repeats = _repeats(both)
+    counted = counters is not None and repeats["offsets"] == 0
+    names = list(counters or {}) if counted else []
     both = both.select("*", *_halves(F.col("hash"), "hash"), *_halves(F.col("content"), "content"))
     sums = [f"{name}_{half}" for name in ("hash", "content") for half in ("high", "low")]
     if repeats["offsets"] == 0:
@@ -243,6 +278,7 @@ def _figures_in_spark(both: DataFrame) -> dict[str, Any]:
             F.sum(1 - F.col("is_row")).alias("quarantined"),
             *[F.sum(c).alias(c) for c in sums],
             F.lit(0).alias("repeated"),
+            *[F.sum(f"_c{i}").alias(f"_c{i}") for i in range(len(names))],
         )
     else:
         per_offset = both.groupBy("kafka_partition", "kafka_offset").agg(
@@ -259,6 +295,7 @@ def _figures_in_spark(both: DataFrame) -> dict[str, Any]:
             *[F.sum(c).alias(c) for c in sums],
             F.sum(F.col("n") - 1).alias("repeated"),
         )
+    collected = groups.collect()
     figures = _summarise(
         (
             r["h"],
@@ -270,9 +307,13 @@ def _figures_in_spark(both: DataFrame) -> dict[str, Any]:
             _whole(r, "content"),
             int(r["repeated"]),
         )
-        for r in groups.collect()
+        for r in collected
     )
     figures["resent"], figures["conflicting"] = repeats["resent"], repeats["conflicting"]
+    if counted:
+        figures["contract"] = contract_failures(
+            {name: sum(int(r[f"_c{i}"] or 0) for r in collected) for i, name in enumerate(names)}
+        )
     return figures
 
 
@@ -513,6 +554,12 @@ def schema_contract(
         failed = _violations_in_spark(events, columns)
     if failed is None:
         failed = _violations_in_executors(events, columns)
+    return contract_outcome(failed, columns)
+
+
+def contract_outcome(failed: dict[str, int], columns: tuple[ColumnSpec, ...]) -> CheckOutcome:
+    """The ``schema_contract`` check from pandera's report (``"<column>: <check>"`` ->
+    failures; empty when every row satisfies the contract)."""
     return CheckOutcome(
         "schema_contract",
         not failed,
