@@ -3,8 +3,9 @@
 A fresh Spark driver spends most of its first seconds loading, verifying and linking classes
 (Spark SQL, Iceberg, Parquet, Kafka). The JVM can map them from an archive instead (JDK dynamic
 CDS): :func:`build` (``backfill-assets jars cds``, run by scripts/bootstrap.sh) runs a small
-Spark workload once with ``-XX:ArchiveClassesAtExit``, and every later local driver JVM starts
-with ``-XX:SharedArchiveFile`` (:func:`java_options`, added by
+Spark workload (:mod:`backfill_assets.stack.cds_train`) once with
+``-XX:ArchiveClassesAtExit``, and every later local driver JVM starts with
+``-XX:SharedArchiveFile`` (:func:`java_options`, added by
 :func:`backfill_assets.stack.spark.spark_config`). A 1-hour run starts its session and does its
 first Iceberg work in about half the time (bench/README.md).
 
@@ -32,7 +33,7 @@ from backfill_assets.stack import jars
 from backfill_assets.stack.settings import Settings
 
 # JVM logging: warnings to stderr (by default they go to stdout).
-_QUIET = "-Xlog:disable -Xlog:all=warning:stderr"
+QUIET = "-Xlog:disable -Xlog:all=warning:stderr"
 
 
 class CdsError(BackfillError):
@@ -57,7 +58,7 @@ def java_options(settings: Settings) -> str:
     path = archive_path(settings)
     if not path.is_file():
         return ""
-    return f"-XX:SharedArchiveFile={path} -Xshare:auto {_QUIET}"
+    return f"-XX:SharedArchiveFile={path} -Xshare:auto {QUIET}"
 
 
 def build(settings: Settings, timeout_s: float = 600) -> tuple[Path, bool]:
@@ -78,7 +79,7 @@ def build(settings: Settings, timeout_s: float = 600) -> tuple[Path, bool]:
         )
         began = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, "-m", "backfill_assets.stack.cds", str(partial)],
+            [sys.executable, "-m", "backfill_assets.stack.cds_train", str(partial)],
             env=env,
             capture_output=True,
             text=True,
@@ -94,69 +95,3 @@ def build(settings: Settings, timeout_s: float = 600) -> tuple[Path, bool]:
             )
         os.replace(partial, path)
     return path, True
-
-
-def _train(out: Path) -> None:
-    """The workload whose classes go in the archive: what a run does, on a tiny table (Iceberg
-    DDL, branch write, metadata tables, fast-forward, VARIANT parse, hashes, a disk cache, a
-    pandas UDF, the Kafka source's planning). The archive is written when this JVM exits."""
-    import pandas as pd
-    from pyspark import StorageLevel
-    from pyspark.sql import functions as F
-
-    from backfill_assets.stack import spark as spark_mod
-
-    settings = Settings.from_env()
-    session = spark_mod.get_session(
-        settings,
-        {"spark.driver.extraJavaOptions": f"-XX:ArchiveClassesAtExit={out} {_QUIET}"},
-    )
-    cat = settings.catalog.name
-    table = f"{cat}.cds_train.events"
-    session.sql(f"CREATE NAMESPACE IF NOT EXISTS {cat}.cds_train")
-    session.sql(
-        f"CREATE TABLE {table} (p int, o bigint, h timestamp, k binary, v string, x bigint) "
-        "USING iceberg PARTITIONED BY (hours(h)) "
-        "TBLPROPERTIES ('format-version'='2', 'write.wap.enabled'='true')"
-    )
-    rows = session.range(2000).select(
-        (F.col("id") % 3).cast("int").alias("p"),
-        F.col("id").alias("o"),
-        F.timestamp_millis(F.lit(1_780_000_000_000) + F.col("id") * 1000).alias("h"),
-        F.col("id").cast("string").cast("binary").alias("k"),
-        F.to_json(F.struct(F.col("id").alias("a"), F.lit("x").alias("b"))).alias("v"),
-    )
-    parsed = rows.select(
-        "p",
-        "o",
-        "h",
-        "k",
-        "v",
-        F.xxhash64("p", "o", "k", "v").alias("x"),
-        F.try_variant_get(F.try_parse_json("v"), "$.a", "bigint").alias("a"),
-    ).persist(StorageLevel.DISK_ONLY)
-    parsed.count()
-    parsed.drop("a").writeTo(table).append()
-    session.sql(f"ALTER TABLE {table} CREATE BRANCH b1")
-    since = F.lit(0).cast("timestamp")
-    parsed.drop("a").writeTo(f"{table}.branch_b1").overwrite(F.col("h") >= since)
-    session.sql(f"SELECT * FROM {table}.refs").collect()
-    session.sql(f"SELECT summary FROM {table}.snapshots").collect()
-    session.sql(f"CALL {cat}.system.fast_forward('{table}', 'main', 'b1')").collect()
-    session.table(table).groupBy(F.window("h", "1 hour")).agg(
-        F.count("*"), F.sum(F.col("x").cast("decimal(38,0)"))
-    ).collect()
-
-    def count(frames):  # type: ignore[no-untyped-def]
-        for frame in frames:
-            yield pd.DataFrame({"n": [len(frame)]})
-
-    parsed.mapInPandas(count, "n long").agg(F.sum("n")).collect()
-    parsed.unpersist()
-    kafka = session.read.format("kafka").option("kafka.bootstrap.servers", "127.0.0.1:9")
-    assert kafka.option("subscribe", "t").load().columns  # plans the source, reads nothing
-    session.stop()
-
-
-if __name__ == "__main__":
-    _train(Path(sys.argv[1]))

@@ -2,8 +2,8 @@
 
 Per topic: how to read its records (columns, key, event id, event time, schema versions), its
 current-state rule, and its declared tables (Spark SQL files over the topic's events, other
-topics' current state and other declared tables; see :mod:`backfill_assets.lake.declared`).
-The pydantic models below are the spec's schema: their field descriptions document it. A bad
+topics' current state and other declared tables; see :mod:`backfill_assets.spec.declared`).
+The pydantic models below are the spec's schema (loaded by :mod:`backfill_assets.spec.loader`): their field descriptions document it. A bad
 field or declaration fails loading with a :class:`SpecError` that names the file, the topic,
 the table and the field path, one line per problem. Nothing here starts Spark.
 """
@@ -32,11 +32,11 @@ from pydantic import (
 )
 
 from backfill_assets.errors import BackfillError
+from backfill_assets.spec.transforms import identity
 
 if TYPE_CHECKING:
     from pyspark.sql import Column
 
-SPEC_PATH = Path(__file__).resolve().parents[1] / "topics.yaml"
 ColumnType = Literal["string", "bigint", "int", "double", "boolean", "timestamp"]
 COLUMN_TYPES: tuple[str, ...] = get_args(ColumnType)
 # Kafka's own default limit for one record batch (message.max.bytes) is about 1 MiB.
@@ -344,96 +344,7 @@ class TopicSpec(_Spec):
 
     def upcaster(self, version: int) -> Upcaster:
         if version not in self.upcasters and version == self.latest_version:
-            from backfill_assets.lake.transforms import identity
-
             return identity(self.columns)
         module_name, _, attr = self.upcasters[version].partition(":")
         fn: Upcaster = getattr(importlib.import_module(module_name), attr)
         return fn
-
-
-def spec_path() -> Path:
-    """The spec Definitions load: ``BACKFILL_SPEC`` if set, else the package's topics.yaml."""
-    from backfill_assets.stack.settings import Settings
-
-    return Settings.from_env().spec_path or SPEC_PATH
-
-
-def load_specs(path: Path | None = None) -> list[TopicSpec]:
-    """Parse and validate every topic in ``path`` (default :func:`spec_path`), and every
-    declared table's SQL against the columns it reads (without Spark)."""
-    from backfill_assets.lake import declared
-
-    path = path or spec_path()
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise SpecError(f"cannot read topic spec {path}: {exc}") from exc
-    if not isinstance(doc, dict) or not isinstance(doc.get("topics"), list):
-        raise SpecError(f"{path}: expected a mapping with a 'topics' list")
-    if set(doc) != {"topics"}:
-        raise SpecError(
-            f"{path}: unknown field(s) {sorted(set(doc) - {'topics'})}; allowed: topics"
-        )
-    specs, problems = [], []
-    for i, entry in enumerate(doc["topics"]):
-        name = entry.get("topic") if isinstance(entry, dict) else None
-        where = f"{path}: topic {name!r}" if isinstance(name, str) else f"{path}: topics[{i}]"
-        try:
-            specs.append(
-                TopicSpec.model_validate(entry, context={"path": path, "topic": name or ""})
-            )
-        except ValidationError as err:
-            problems += [_problem(where, entry, e) for e in err.errors()]
-    if problems:
-        raise SpecError("\n".join(problems))
-    names = [s.topic for s in specs]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise SpecError(f"{path}: topic(s) listed twice: {', '.join(dupes)}")
-    return declared.validate(specs, path)
-
-
-_LABELS = {"tables": "table", "columns": "column", "measures": "measure"}
-
-
-def _problem(where: str, entry: Any, error: Any) -> str:
-    """One pydantic error as ``<where>[, table 'x'][, column 'y']: <field path>: <message>``."""
-    loc, kind, raw = list(error["loc"]), error["type"], entry
-    if kind in ("missing", "extra_forbidden"):
-        field = loc.pop()
-        msg = f"{'missing required' if kind == 'missing' else 'unknown'} field {field!r}"
-    elif kind == "value_error":
-        msg = str(error["ctx"]["error"])
-    else:
-        msg = (
-            re.sub(r"^\w+ should", "must", error["msg"])
-            .replace("valid tuple", "list")
-            .replace(" after validation", "")
-        )
-        if kind == "model_type":
-            msg = "must be a mapping of its fields"
-        if not isinstance(error["input"], dict):
-            got = repr(error["input"])
-            msg += f" (got {got if len(got) <= 60 else got[:57] + '...'})"
-    path = ""
-    for prev, part in zip([None, *loc], loc, strict=False):
-        raw = _child(raw, part)
-        label = raw.get("name") if isinstance(raw, dict) else raw
-        if isinstance(part, int) and prev in _LABELS and isinstance(label, str):
-            where += f", {_LABELS[str(prev)]} {label!r}"
-        if part == "[key]":  # a mapping's key (not its value) is wrong
-            path += " (key)"
-        elif isinstance(part, int) or prev == "upcasters":
-            path += f"[{part!r}]"
-        else:
-            path += f".{part}" if path else str(part)
-    return f"{where}: {path}: {msg}" if path else f"{where}: {msg}"
-
-
-def _child(raw: Any, part: Any) -> Any:
-    if isinstance(raw, dict):
-        return raw.get(part)
-    if isinstance(raw, list) and isinstance(part, int) and 0 <= part < len(raw):
-        return raw[part]
-    return None
