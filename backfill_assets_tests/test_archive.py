@@ -31,10 +31,10 @@ from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generat
 from backfill_assets.lake import audit
 from backfill_assets.lake.archive import SCHEMA, Archive, ArchiveError
 from backfill_assets.lake.archiver import build_archive_asset, run_archiver
-from backfill_assets.lake.declared import renamed
 from backfill_assets.lake.replay import checksum_expr
-from backfill_assets.lake.spec import TopicSpec
 from backfill_assets.ops import planner
+from backfill_assets.spec.declared import renamed
+from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog
 from backfill_assets.stack.settings import Settings
 

@@ -69,8 +69,8 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import RESOURCES, SPECS
-from backfill_assets.lake.declared import renamed
-from backfill_assets.lake.spec import TopicSpec
+from backfill_assets.spec.declared import renamed
+from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:

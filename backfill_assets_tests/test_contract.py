@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from backfill_assets.lake import checks
-from backfill_assets.lake.spec import TopicSpec, load_specs
+from backfill_assets.spec.loader import load_specs
+from backfill_assets.spec.model import TopicSpec
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

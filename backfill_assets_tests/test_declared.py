@@ -30,7 +30,8 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.defs.definitions import RESOURCES
 from backfill_assets.demo.generator import TOPIC_CONFIGS
-from backfill_assets.lake.spec import SpecError, TopicSpec, load_specs
+from backfill_assets.spec.loader import load_specs
+from backfill_assets.spec.model import SpecError, TopicSpec
 from backfill_assets.stack.settings import REPO_ROOT, Settings
 
 if TYPE_CHECKING:
@@ -437,7 +438,7 @@ def world(
 def test_spec_only_topic_loads_with_dependency_order(tmp_path: Path) -> None:
     n = _names()
     (spec,) = load_specs(_write_spec(tmp_path, n))
-    from backfill_assets.lake import declared
+    from backfill_assets.spec import declared
 
     assert spec.version_field is None and not spec.upcasters and spec.latest_version == 1
     order = [t.name for t in declared.ordered([spec])]

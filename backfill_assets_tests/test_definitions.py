@@ -7,7 +7,7 @@ import dagster as dg
 import pytest
 
 from backfill_assets.defs.definitions import build_defs, defs
-from backfill_assets.lake.spec import load_specs
+from backfill_assets.spec.loader import load_specs
 
 RAW = dg.AssetKey(["raw", "orders"])
 HOURLY = dg.AssetKey(["lakehouse", "orders_hourly"])

@@ -15,8 +15,8 @@ import pytest
 from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate, plan_events
-from backfill_assets.lake.declared import renamed
-from backfill_assets.lake.spec import TopicSpec
+from backfill_assets.spec.declared import renamed
+from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:

@@ -31,11 +31,11 @@ from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.defs.resources import KafkaResource
 from backfill_assets.demo import hostile
 from backfill_assets.lake import ledger
-from backfill_assets.lake.declared import renamed
-from backfill_assets.lake.faults import branch_mutation
-from backfill_assets.lake.spec import TopicSpec
 from backfill_assets.lake.windows import HOUR, scan
+from backfill_assets.spec.declared import renamed
+from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog
+from backfill_assets.stack.faults import branch_mutation
 from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:
@@ -403,7 +403,7 @@ def test_an_open_transaction_holds_the_hour_until_it_ends(
 
 # ---------------------------------------------------------------------------------------------
 # Mutation tests: each check must block the fault it exists to catch. A mutation is applied
-# to the run's branch right after its write (backfill_assets.lake.faults.branch_mutation).
+# to the run's branch right after its write (backfill_assets.stack.faults.branch_mutation).
 # ---------------------------------------------------------------------------------------------
 
 

@@ -4,7 +4,7 @@ Every materialization under test runs in its own process (``python -m
 backfill_assets_tests.test_faults``, the runner at the bottom of this file) with this session's
 ``BACKFILL_*`` environment and a shared temporary ``DAGSTER_HOME``, as its own process group,
 so a SIGKILL takes the run's Spark JVM and Python workers with it (a container or node dying).
-Kills come from the failpoints of :mod:`backfill_assets.lake.faults` (``BACKFILL_FAULT_POINT``) or,
+Kills come from the failpoints of :mod:`backfill_assets.stack.faults` (``BACKFILL_FAULT_POINT``) or,
 for the branch write, from this test watching the table's data directory and killing the
 process group the moment the write's first data file appears.
 
@@ -48,14 +48,14 @@ from urllib.parse import urlparse
 import pytest
 
 from backfill_assets.lake import wap
-from backfill_assets.lake.declared import renamed
+from backfill_assets.spec.declared import renamed
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
     from pyspark.sql import SparkSession
 
     from backfill_assets.demo.generator import GroundTruth
-    from backfill_assets.lake.spec import TopicSpec
+    from backfill_assets.spec.model import TopicSpec
     from backfill_assets.stack.settings import Settings
 
 START = datetime(2026, 4, 1, tzinfo=UTC)
@@ -419,7 +419,7 @@ def _data_files(root: Path) -> set[str]:
 # ------------------------------------------------------------------------------ the failpoints
 def test_fault_point_setting_is_validated_and_inert_when_unset() -> None:
     from backfill_assets.errors import SettingsError
-    from backfill_assets.lake import faults
+    from backfill_assets.stack import faults
     from backfill_assets.stack.settings import Settings
 
     with pytest.raises(SettingsError, match=r"BACKFILL_FAULT_POINT='nowhere'.*checks_passed"):

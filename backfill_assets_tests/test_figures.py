@@ -12,7 +12,8 @@ import pytest
 
 from backfill_assets.lake import checks
 from backfill_assets.lake.replay import hour_key
-from backfill_assets.lake.spec import TopicSpec, load_specs
+from backfill_assets.spec.loader import load_specs
+from backfill_assets.spec.model import TopicSpec
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

@@ -48,8 +48,8 @@ from backfill_assets.demo.hostile import (
     windows,
 )
 from backfill_assets.errors import GeneratorError
-from backfill_assets.lake.spec import load_specs
 from backfill_assets.lake.windows import record_hash as windows_record_hash
+from backfill_assets.spec.loader import load_specs
 from backfill_assets.stack.settings import Settings
 
 START = datetime(2026, 1, 1, tzinfo=UTC)

@@ -23,8 +23,8 @@ from backfill_assets.defs.maintenance import build_maintenance_defs, maintenance
 from backfill_assets.defs.resources import KafkaResource
 from backfill_assets.demo.generator import GeneratorConfig, generate
 from backfill_assets.lake import audit, detect, ledger, maintenance, rollback
-from backfill_assets.lake.declared import renamed
-from backfill_assets.lake.spec import TopicSpec
+from backfill_assets.spec.declared import renamed
+from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog
 from backfill_assets.stack.settings import MaintenanceSettings, Settings
 

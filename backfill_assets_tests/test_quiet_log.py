@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from backfill_assets.demo.generator import GeneratorConfig, generate
-from backfill_assets.lake.spec import SPEC_PATH
+from backfill_assets.spec.model import SPEC_PATH
 from backfill_assets.stack.settings import REPO_ROOT, Settings
 
 if TYPE_CHECKING:

@@ -27,8 +27,8 @@ from backfill_assets.demo.generator import (
     hour_iso,
     plan_events,
 )
-from backfill_assets.lake.declared import renamed
-from backfill_assets.lake.spec import TopicSpec
+from backfill_assets.spec.declared import renamed
+from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from backfill_assets.defs.resources import IcebergResource, KafkaResource
 from backfill_assets.demo.generator import GeneratorConfig, generate
 from backfill_assets.lake import detect
 from backfill_assets.lake.archiver import run_archiver
-from backfill_assets.lake.declared import renamed
+from backfill_assets.spec.declared import renamed
 from backfill_assets.stack import catalog
 from backfill_assets.stack.settings import Settings
 

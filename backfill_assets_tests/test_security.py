@@ -29,7 +29,7 @@ from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.demo.generator import GeneratorConfig, generate
 from backfill_assets.lake import audit, replay
-from backfill_assets.lake.declared import renamed
+from backfill_assets.spec.declared import renamed
 from backfill_assets.stack import catalog
 from backfill_assets.stack.broker import LocalBroker
 from backfill_assets.stack.settings import Settings

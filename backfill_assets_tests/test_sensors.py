@@ -23,8 +23,8 @@ from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.defs.sensors import build_gap_sensor, build_late_data_sensor
 from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate, partition_for
 from backfill_assets.lake import detect, ledger, rollback
-from backfill_assets.lake.declared import renamed
-from backfill_assets.lake.spec import TopicSpec
+from backfill_assets.spec.declared import renamed
+from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog
 from backfill_assets.stack.settings import Settings
 

@@ -12,8 +12,9 @@ import pydantic
 import pytest
 import yaml
 
-from backfill_assets.lake import declared
-from backfill_assets.lake.spec import SPEC_PATH, SpecError, TableSpec, TopicSpec, load_specs
+from backfill_assets.spec import declared
+from backfill_assets.spec.loader import load_specs
+from backfill_assets.spec.model import SPEC_PATH, SpecError, TableSpec, TopicSpec
 
 TOPIC_FIELDS = (
     "['allowed_lateness_hours', 'columns', 'current', 'event_id_field', 'event_time_field', "
@@ -79,8 +80,8 @@ def test_shipped_spec_is_parsed_as_before() -> None:
     assert orders.version_field == "schema_version" and orders.latest_version is None
     assert orders.versions == [1, 2]
     assert orders.upcasters == {
-        1: "backfill_assets.lake.transforms.orders:upcast_v1",
-        2: "backfill_assets.lake.transforms.orders:upcast_v2",
+        1: "backfill_assets.spec.transforms.orders:upcast_v1",
+        2: "backfill_assets.spec.transforms.orders:upcast_v2",
     }
     assert orders.partition_start == datetime(2026, 1, 1, tzinfo=UTC)
     assert orders.quarantine_max_ratio == 0.05
@@ -148,8 +149,8 @@ def test_specs_are_frozen_and_copied_with_model_copy() -> None:
         ({"max_record_bytes": 0}, "max_record_bytes: must be greater than 0 (got 0)"),
         ({"max_record_bytes": "1MB"}, "max_record_bytes: must be a valid integer (got '1MB')"),
         (
-            {"upcasters": {1: "backfill_assets.lake.transforms.orders:nope"}},
-            "upcasters[1]: backfill_assets.lake.transforms.orders:nope is not a function",
+            {"upcasters": {1: "backfill_assets.spec.transforms.orders:nope"}},
+            "upcasters[1]: backfill_assets.spec.transforms.orders:nope is not a function",
         ),
         ({"upcasters": {1: "no_such_module:f"}}, "upcasters[1]: cannot import no_such_module"),
         ({"event_id_field": None}, "topic 'orders': missing required field 'event_id_field'"),

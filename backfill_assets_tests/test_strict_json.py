@@ -14,10 +14,10 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.lake import replay
-from backfill_assets.lake.declared import renamed
-from backfill_assets.lake.spec import load_specs
-from backfill_assets.lake.transforms import StrictReader, json_field, reading
-from backfill_assets.lake.transforms import orders as orders_transforms
+from backfill_assets.spec.declared import renamed
+from backfill_assets.spec.loader import load_specs
+from backfill_assets.spec.transforms import StrictReader, json_field, reading
+from backfill_assets.spec.transforms import orders as orders_transforms
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, SparkSession

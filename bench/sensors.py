@@ -248,8 +248,8 @@ def main() -> None:
             "BACKFILL_SENSORS": "off",
         }
     )
-    from backfill_assets.lake.declared import renamed
-    from backfill_assets.lake.spec import load_specs
+    from backfill_assets.spec.declared import renamed
+    from backfill_assets.spec.loader import load_specs
     from backfill_assets.stack.broker import LocalBroker
     from backfill_assets.stack.settings import Settings
 

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
     from backfill_assets.lake.replay import OffsetContract
-    from backfill_assets.lake.spec import TopicSpec
+    from backfill_assets.spec.model import TopicSpec
     from backfill_assets.stack.settings import Settings
 
 HISTORY_START = datetime(2026, 9, 1, tzinfo=UTC)
@@ -80,8 +80,8 @@ def partition_key(hour: datetime) -> str:
 
 
 def orders_spec(topic: str) -> TopicSpec:
-    from backfill_assets.lake.declared import renamed
-    from backfill_assets.lake.spec import load_specs
+    from backfill_assets.spec.declared import renamed
+    from backfill_assets.spec.loader import load_specs
 
     (orders,) = [s for s in load_specs() if s.topic == "orders"]
     return renamed(orders, topic=topic)

@@ -15,11 +15,12 @@ from dagster import AssetExecutionContext
 from backfill_assets.defs import topics
 from backfill_assets.defs.partitions import kafka_hours
 from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
-from backfill_assets.lake import audit, checks, declared, derived, ledger, replay, wap
+from backfill_assets.lake import audit, checks, derived, ledger, replay, wap
 from backfill_assets.lake.archiver import archive_asset_key
-from backfill_assets.lake.faults import failpoint
-from backfill_assets.lake.spec import CURRENT_META_COLUMNS, ColumnSpec, TableSpec, TopicSpec
 from backfill_assets.lake.windows import hours_between
+from backfill_assets.spec import declared
+from backfill_assets.spec.model import CURRENT_META_COLUMNS, ColumnSpec, TableSpec, TopicSpec
+from backfill_assets.stack.faults import failpoint
 
 # One run covers up to a week of hourly partitions: a 30-day backfill starts 5 runs (5 Spark
 # sessions and 5 branches), not 720. A week is also the retry unit: a failed run re-reads at

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from backfill_assets.lake.spec import TopicSpec
+from backfill_assets.spec.model import TopicSpec
 
 
 def kafka_hours(spec: TopicSpec) -> dg.HourlyPartitionsDefinition:

@@ -18,7 +18,7 @@ import dagster as dg
 from backfill_assets.defs.assets import current_asset_key, raw_asset_key, table_asset_key
 from backfill_assets.defs.resources import IcebergResource, KafkaResource
 from backfill_assets.lake import detect
-from backfill_assets.lake.spec import TopicSpec
+from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
 
 REQUEST_TAG = "backfill_assets/request"

@@ -14,7 +14,7 @@ from typing import Any
 import dagster as dg
 
 from backfill_assets.defs.resources import KafkaResource
-from backfill_assets.lake.spec import TopicSpec
+from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
 
 OBSERVE_INTERVAL_S = 300

@@ -24,7 +24,7 @@ from backfill_assets.defs.resources import IcebergResource, KafkaResource
 from backfill_assets.defs.topics import topic_asset_key
 from backfill_assets.lake import audit
 from backfill_assets.lake.archive import Archive, PartitionRun
-from backfill_assets.lake.spec import TopicSpec
+from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
 
 

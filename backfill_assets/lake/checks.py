@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.lake.replay import ReplayOutcome, hour_key, window_filter
-from backfill_assets.lake.spec import ColumnSpec, TopicSpec
+from backfill_assets.spec.model import ColumnSpec, TopicSpec
 
 if TYPE_CHECKING:
     import pandas as pd

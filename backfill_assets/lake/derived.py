@@ -1,5 +1,5 @@
 """Derived lakehouse tables, computed in Spark from the published raw table: each topic's
-current state, and the tables declared in the spec (:mod:`backfill_assets.lake.declared`).
+current state, and the tables declared in the spec (:mod:`backfill_assets.spec.declared`).
 
 **The duplicates rule** (it does not depend on where runs start or end): the raw table keeps
 every committed record. Among the versions of one event id, the one with the highest (Kafka
@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets.lake import checks, declared
+from backfill_assets.lake import checks
 from backfill_assets.lake.checks import CheckOutcome
-from backfill_assets.lake.spec import EVENT_META_COLUMNS, TableSpec, TopicSpec
 from backfill_assets.lake.wap import Branch, open_branch
+from backfill_assets.spec import declared
+from backfill_assets.spec.model import EVENT_META_COLUMNS, TableSpec, TopicSpec
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession

@@ -23,8 +23,9 @@ from typing import Any
 from pyiceberg.catalog import Catalog
 
 from backfill_assets.defs.resources import KafkaResource
-from backfill_assets.lake import declared, ledger
-from backfill_assets.lake.spec import TableSpec, TopicSpec
+from backfill_assets.lake import ledger
+from backfill_assets.spec import declared
+from backfill_assets.spec.model import TableSpec, TopicSpec
 
 HOUR = timedelta(hours=1)
 PARTITION_FMT = "%Y-%m-%d-%H:%M"

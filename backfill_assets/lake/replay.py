@@ -30,11 +30,12 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.lake import faults, ledger
+from backfill_assets.lake import ledger
 from backfill_assets.lake.archive import Archive
-from backfill_assets.lake.spec import TopicSpec
 from backfill_assets.lake.wap import SUMMARY_PREFIX, Branch, open_branch, ref_sql
 from backfill_assets.lake.windows import Windows, scan
+from backfill_assets.spec.model import TopicSpec
+from backfill_assets.stack import faults
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
@@ -386,7 +387,7 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
     tombstone (NULL value) is a row.
 
     The JSON is read once per record by the strict JVM reader
-    (:class:`~backfill_assets.lake.transforms.StrictReader`), which returns every field the
+    (:class:`~backfill_assets.spec.transforms.StrictReader`), which returns every field the
     upcasters ask for; the projection is built in stages, each a column the next one reads (the
     typed columns read the reader's struct, the reason reads the typed columns): Spark keeps a
     stage whose columns are read more than once instead of inlining it, and the disk cache at
@@ -395,7 +396,7 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
     """
     from pyspark.sql import functions as F
 
-    from backfill_assets.lake.transforms import StrictReader, json_field, reading
+    from backfill_assets.spec.transforms import StrictReader, json_field, reading
 
     value_str = F.col("value").cast("string")
     v = F.col("_v")

@@ -28,8 +28,8 @@ def downstream_first(tables: list[str]) -> list[str]:
     """``tables`` (full names) with readers before what they read: declared tables (latest in
     dependency order first), then current-state and raw tables, so no table is ever left
     holding rows computed from a publish already undone upstream for longer than needed."""
-    from backfill_assets.lake.declared import ordered
-    from backfill_assets.lake.spec import load_specs
+    from backfill_assets.spec.declared import ordered
+    from backfill_assets.spec.loader import load_specs
 
     specs = load_specs()
     rank = {t.name: i for i, t in enumerate(ordered(specs))}

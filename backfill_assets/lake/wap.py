@@ -22,7 +22,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.lake.faults import failpoint
+from backfill_assets.stack.faults import failpoint
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

@@ -46,7 +46,7 @@ from rich.table import Table
 from rich.text import Text
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.lake.spec import TopicSpec
+from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog, jars
 from backfill_assets.stack.broker import LocalBroker
 from backfill_assets.stack.settings import Settings
@@ -431,7 +431,7 @@ def generate_command(
 
 def _specs() -> dict[str, TopicSpec]:
     """The topics of the spec Definitions load (read without building the Definitions)."""
-    from backfill_assets.lake.spec import load_specs
+    from backfill_assets.spec.loader import load_specs
 
     return {s.topic: s for s in load_specs()}
 
@@ -1046,7 +1046,7 @@ def _asset_keys() -> dict[str, dg.AssetKey]:
     """Table (short name) -> the asset that materializes it."""
     from backfill_assets.defs.assets import current_asset_key, raw_asset_key, table_asset_key
     from backfill_assets.defs.definitions import SPECS
-    from backfill_assets.lake import declared
+    from backfill_assets.spec import declared
 
     keys = {}
     for spec in SPECS:

@@ -20,8 +20,8 @@ from backfill_assets.defs.resources import KafkaResource
 from backfill_assets.lake import ledger
 from backfill_assets.lake.archive import Archive
 from backfill_assets.lake.replay import OffsetContract, offset_contract
-from backfill_assets.lake.spec import TopicSpec
 from backfill_assets.lake.windows import WindowError, WindowNotSealed
+from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog
 
 SAMPLE_RECORDS = 2000
@@ -172,7 +172,7 @@ class Plan:
 
 def target_tables(spec: TopicSpec) -> list[str]:
     """The tables a backfill of the topic writes, in dependency order."""
-    from backfill_assets.lake.declared import ordered
+    from backfill_assets.spec.declared import ordered
 
     return [spec.raw_table, spec.current_table, *(t.name for t in ordered([spec]))]
 
@@ -387,7 +387,7 @@ def backfill_ranges(
     topic, the hours its declared inputs cover for one reading declared tables."""
     from backfill_assets.defs.assets import current_asset_key
     from backfill_assets.defs.definitions import SPECS
-    from backfill_assets.lake import declared
+    from backfill_assets.spec import declared
 
     known = declared.relations(SPECS)
     settled: dict[str, datetime] = {}

@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from backfill_assets.lake.spec import (
+from backfill_assets.spec.model import (
     CURRENT_META_COLUMNS,
     EVENT_META_COLUMNS,
     SpecError,

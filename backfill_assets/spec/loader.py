@@ -15,10 +15,8 @@ import yaml
 from pydantic import ValidationError
 
 from backfill_assets.spec import declared
-from backfill_assets.spec.model import SpecError, TopicSpec
+from backfill_assets.spec.model import SPEC_PATH, SpecError, TopicSpec
 from backfill_assets.stack.settings import Settings
-
-SPEC_PATH = Path(__file__).resolve().parent / "topics.yaml"
 
 
 def spec_path() -> Path:

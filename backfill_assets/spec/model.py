@@ -3,21 +3,20 @@
 Per topic: how to read its records (columns, key, event id, event time, schema versions), its
 current-state rule, and its declared tables (Spark SQL files over the topic's events, other
 topics' current state and other declared tables; see :mod:`backfill_assets.spec.declared`).
-The pydantic models below are the spec's schema (loaded by :mod:`backfill_assets.spec.loader`): their field descriptions document it. A bad
-field or declaration fails loading with a :class:`SpecError` that names the file, the topic,
-the table and the field path, one line per problem. Nothing here starts Spark.
+The pydantic models below are the spec's schema: their field descriptions document it.
+:mod:`backfill_assets.spec.loader` loads them; a bad field or declaration fails loading with a
+:class:`SpecError` that names the file, the topic, the table and the field path, one line per
+problem. Nothing here starts Spark.
 """
 
 from __future__ import annotations
 
 import importlib
-import re
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, get_args
 
-import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -25,7 +24,6 @@ from pydantic import (
     Field,
     StrictFloat,
     StrictInt,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -37,6 +35,7 @@ from backfill_assets.spec.transforms import identity
 if TYPE_CHECKING:
     from pyspark.sql import Column
 
+SPEC_PATH = Path(__file__).resolve().parent / "topics.yaml"
 ColumnType = Literal["string", "bigint", "int", "double", "boolean", "timestamp"]
 COLUMN_TYPES: tuple[str, ...] = get_args(ColumnType)
 # Kafka's own default limit for one record batch (message.max.bytes) is about 1 MiB.

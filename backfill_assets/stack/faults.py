@@ -19,27 +19,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from backfill_assets.stack.settings import FAULT_POINTS, Settings
+
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-# In the order a raw run reaches them.
-POINTS = (
-    # wap.open_branch: the quarantine window is written, the run branch exists, nothing is
-    # written to it yet (the next step is the branch write commit).
-    "branch_opened",
-    # assets._audit_and_publish: every blocking check passed, nothing published yet.
-    "checks_passed",
-    # wap.publish: the audit commit is on the branch, main is not fast-forwarded yet.
-    "branch_committed",
-    # wap.publish: main is fast-forwarded; the branch is not dropped and no audit row written.
-    "main_fast_forwarded",
-)
+POINTS = FAULT_POINTS
 
 
 def failpoint(name: str) -> None:
     """SIGKILL this run here if ``BACKFILL_FAULT_POINT`` names ``name``; otherwise nothing."""
-    from backfill_assets.stack.settings import Settings
-
     if name not in POINTS:
         raise ValueError(f"unknown failpoint {name!r}; known: {', '.join(POINTS)}")
     if Settings.from_env().fault_point != name:

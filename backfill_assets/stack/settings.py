@@ -187,7 +187,7 @@ class Settings:
     seal_grace_s: int = 300
     # How often a publish whose main moved (disjoint windows published meanwhile) rebases.
     publish_attempts: int = 5
-    fault_point: str | None = None  # test-only: see backfill_assets.lake.faults
+    fault_point: str | None = None  # test-only: see backfill_assets.stack.faults
     # The topics-and-tables spec Definitions are built from (BACKFILL_SPEC); None: the
     # package's own topics.yaml.
     spec_path: Path | None = None
@@ -433,16 +433,28 @@ def _run_executor(env: Mapping[str, str]) -> RunExecutor:
     return raw  # type: ignore[return-value]  # validated by _choice above
 
 
-def _fault_point(env: Mapping[str, str]) -> str | None:
-    from backfill_assets.lake.faults import POINTS
+# Test-only failpoints (backfill_assets.stack.faults), in the order a raw run reaches them.
+FAULT_POINTS = (
+    # wap.open_branch: the quarantine window is written, the run branch exists, nothing is
+    # written to it yet (the next step is the branch write commit).
+    "branch_opened",
+    # assets._audit_and_publish: every blocking check passed, nothing published yet.
+    "checks_passed",
+    # wap.publish: the audit commit is on the branch, main is not fast-forwarded yet.
+    "branch_committed",
+    # wap.publish: main is fast-forwarded; the branch is not dropped and no audit row written.
+    "main_fast_forwarded",
+)
 
+
+def _fault_point(env: Mapping[str, str]) -> str | None:
     raw = env.get("BACKFILL_FAULT_POINT")
     if raw is None or raw == "":
         return None
-    if raw not in POINTS:
+    if raw not in FAULT_POINTS:
         raise SettingsError(
             f"BACKFILL_FAULT_POINT={raw!r} is not a failpoint (test-only setting); "
-            f"allowed: {', '.join(POINTS)}"
+            f"allowed: {', '.join(FAULT_POINTS)}"
         )
     return raw
 

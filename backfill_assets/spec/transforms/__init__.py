@@ -7,18 +7,27 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, SparkSession
-
-    from backfill_assets.lake.spec import ColumnSpec
 
 # The JVM class behind StrictReader (backfill_assets/stack/java, built by stack.jars.udf_jar).
 STRICT_JSON_CLASS = "backfill_assets.udf.StrictJson"
 _STRICT_PATH = re.compile(r"\$(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
 _STRICT_TYPES = {"string", "boolean", "bigint", "int", "double"}
 _DECIMAL = re.compile(r"decimal\((\d+),\s*(\d+)\)")
+
+
+class NamedColumn(Protocol):
+    """What :func:`identity` reads of a spec column
+    (:class:`backfill_assets.spec.model.ColumnSpec`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def type(self) -> str: ...
 
 
 class StrictReader:
@@ -153,7 +162,7 @@ def json_timestamp(v: Column, path: str) -> Column:
     )
 
 
-def identity(columns: Sequence[ColumnSpec]) -> Callable[[Column], dict[str, Column]]:
+def identity(columns: Sequence[NamedColumn]) -> Callable[[Column], dict[str, Column]]:
     """The upcaster of a version whose fields are the columns: each column read from the field
     of the same name with :func:`json_field`'s strict typing (timestamps with
     :func:`json_timestamp`)."""

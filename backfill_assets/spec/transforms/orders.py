@@ -1,14 +1,14 @@
 """Upcasters for the ``orders`` topic. Each takes the parsed payload (a Spark VARIANT column)
 and returns the latest schema's columns; a value that cannot be read as its type becomes NULL,
 which the replay then quarantines with the column's name as the reason. Every field is read with
-:func:`~backfill_assets.lake.transforms.json_field`: a value of the wrong JSON kind (``"123"`` for a
+:func:`~backfill_assets.spec.transforms.json_field`: a value of the wrong JSON kind (``"123"`` for a
 number, ``{...}`` for a string, ``12.7`` for an integer) is NULL, never coerced."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from backfill_assets.lake.transforms import MAX_EPOCH_MS, MIN_EPOCH_MS, json_field
+from backfill_assets.spec.transforms import MAX_EPOCH_MS, MIN_EPOCH_MS, json_field
 
 if TYPE_CHECKING:
     from pyspark.sql import Column
