@@ -25,3 +25,7 @@ class BrokerError(StackError):
 
 class GeneratorError(BackfillError):
     """The demo event generator was given arguments it cannot honour."""
+
+
+class KafkaClientError(StackError):
+    """Kafka refused or did not answer a metadata or offset request, or lacks the topic."""

@@ -8,13 +8,7 @@ cache (``scripts/bootstrap.sh`` resolves them; the fixture re-checks, which is a
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,6 +18,7 @@ import pytest
 from backfill_assets.stack import jars
 from backfill_assets.stack.broker import LocalBroker
 from backfill_assets.stack.settings import REPO_ROOT, Settings
+from backfill_assets_tests.support import services
 
 # The suite runs as on a laptop that is not on UTC (issue 11: naive datetimes were read in the
 # local zone and overwrote the wrong hours). Set before any Spark JVM or Python worker starts,
@@ -36,19 +31,13 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """BACKFILL_* variables for the test stack, also exported for code that reads os.environ
     (Dagster resources inside runs)."""
     home = tmp_path_factory.mktemp("stack")
-    port = _free_port()
-    controller = _free_port()
+    port = services.free_port()
+    controller = services.free_port()
     env = {
         "BACKFILL_HOME": str(home),
         # The jar cache is shared with the developer's stack: it is read-only and keyed by pom.
@@ -109,65 +98,5 @@ def dagster_services(stack_settings: Settings, stack_env: dict[str, str]) -> Ite
     that inherit the session's BACKFILL_* environment (so they reach the session's broker).
     """
     home = Path(stack_env["BACKFILL_HOME"]) / "dagster-home"
-    home.mkdir(parents=True, exist_ok=True)
-    shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
-    # Create the SQLite storage once, before the services: the webserver, the daemon and their
-    # code servers all open it at start-up, and concurrent first-time creation can stamp
-    # alembic_version twice ("more than one head present"), which fails the code location.
-    import dagster as dg
-
-    with dg.DagsterInstance.from_config(str(home)):
-        pass
-    port = _free_port()
-    env = {**os.environ, **stack_env, "DAGSTER_HOME": str(home)}
-    bin_dir = Path(sys.executable).parent
-    logs = home / "services.log"
-    procs = []
-    with logs.open("ab") as log:
-        for cmd in (
-            [
-                str(bin_dir / "dagster-webserver"),
-                "-w",
-                "workspace.yaml",
-                "-h",
-                "127.0.0.1",
-                "-p",
-                str(port),
-            ],
-            [str(bin_dir / "dagster-daemon"), "run", "-w", "workspace.yaml"],
-        ):
-            procs.append(
-                subprocess.Popen(
-                    cmd,
-                    cwd=REPO_ROOT,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    try:
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/server_info", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                    raise RuntimeError(
-                        f"Dagster services did not start; see {logs}:\n"
-                        + logs.read_text(errors="replace")[-2000:]
-                    ) from None
-                time.sleep(1)
+    with services.dagster_services(home, {**os.environ, **stack_env}) as url:
         yield url
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()

@@ -24,18 +24,20 @@ from confluent_kafka import Consumer, IsolationLevel, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ignore[attr-defined]
 from dagster_shared.error import SerializableErrorInfo
 
+from backfill_assets.defs.archiver import build_archive_asset
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import RESOURCES, SPECS
-from backfill_assets.defs.resources import IcebergResource, KafkaResource
 from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate
 from backfill_assets.lake import audit
 from backfill_assets.lake.archive import SCHEMA, Archive, ArchiveError
-from backfill_assets.lake.archiver import build_archive_asset, run_archiver
+from backfill_assets.lake.archiver import run_archiver
 from backfill_assets.lake.replay import checksum_expr
 from backfill_assets.ops import planner
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog
+from backfill_assets.stack.catalog import CatalogClient
+from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:
@@ -136,7 +138,7 @@ def test_archive_delete_then_hybrid_backfill_matches(
     world: World, stack_settings: Settings, spark_session: SparkSession
 ) -> None:
     spec, truth = world.spec, world.truth
-    kafka, iceberg = KafkaResource(), IcebergResource()
+    kafka, iceberg = KafkaClient(), CatalogClient()
 
     # Reference: the range backfilled while Kafka still holds all of it.
     reference = _backfill(world)
@@ -230,10 +232,10 @@ def test_range_in_neither_kafka_nor_archive_fails_naming_offsets(
     _delete_below(stack_settings, topic, cut)
 
     # Archiving now cannot bring them back, and says so.
-    _, summary = run_archiver(KafkaResource(), IcebergResource(), spec)
+    _, summary = run_archiver(KafkaClient(), CatalogClient(), spec)
     assert summary["lost_before_archiving"] == {str(p): [0, cut[p]] for p in range(6)}
 
-    plan = planner.make_plan(KafkaResource(), spec, *WINDOW, instance=None, concurrency=1)
+    plan = planner.make_plan(KafkaClient(), spec, *WINDOW, instance=None, concurrency=1)
     assert plan.missing_offsets == {str(p): [0, cut[p]] for p in range(6)}
     closure = next(s for s in plan.scorecard if s.dimension == "closure")
     assert closure.color == "red"
@@ -490,7 +492,7 @@ def test_archive_holds_exactly_the_committed_records(stack_settings: Settings) -
     # Two records per file, so file boundaries fall next to aborted records and markers.
     store = Archive(dataclasses.replace(stack_settings, archive_file_records=2))
     began = time.monotonic()
-    [run] = store.archive_topic(KafkaResource(), topic)
+    [run] = store.archive_topic(KafkaClient(), topic)
     assert time.monotonic() - began < 15  # never waits for records that are not coming
     assert (run.start, run.end, run.records) == (0, high, len(committed_values))
     assert run.waiting_for_transaction is None and not run.rearchived
@@ -505,13 +507,13 @@ def test_archive_holds_exactly_the_committed_records(stack_settings: Settings) -
     _transaction(tx, topic, [b"a5", b"a6"], commit=False)
     _, _, high2 = _wait_ends(stack_settings, topic, high=high + 3)
     began = time.monotonic()
-    [run] = store.archive_topic(KafkaResource(), topic)
+    [run] = store.archive_topic(KafkaClient(), topic)
     assert time.monotonic() - began < 15
     assert (run.start, run.end, run.records, len(run.files)) == (high, high2, 0, 1)
     assert store.coverage(topic, 0) == [(0, high2)]
     assert _archived(store, topic, 0, high2) == committed
     assert _read_log(stack_settings, topic, high2, "read_committed") == committed
-    [run] = store.archive_topic(KafkaResource(), topic)
+    [run] = store.archive_topic(KafkaClient(), topic)
     assert (run.records, run.files) == (0, [])
     tx.flush(10)
 
@@ -521,7 +523,7 @@ def test_open_transaction_holds_archive_at_lso_then_rest_exactly_once(
 ) -> None:
     topic = _new_topic(stack_settings, "open")
     spec = _spec(topic)
-    kafka, iceberg = KafkaResource(), IcebergResource()
+    kafka, iceberg = KafkaClient(), CatalogClient()
     tx = _tx_producer(stack_settings, topic)
     _plain(stack_settings, topic, [b"n0", b"n1"])
     _transaction(tx, topic, [b"c0"], commit=True)
@@ -599,7 +601,7 @@ def test_legacy_file_is_refused_then_rearchived_committed(stack_settings: Settin
     # The next pass re-archives it in place (and archives what came after it).
     _transaction(tx, topic, [b"c2"], commit=True)
     _, _, high2 = _wait_ends(stack_settings, topic, high=high + 2)
-    runs, summary = run_archiver(KafkaResource(), IcebergResource(), spec)
+    runs, summary = run_archiver(KafkaClient(), CatalogClient(), spec)
     legacy_entry = {
         "file": path,
         "offsets": [0, high],
@@ -630,7 +632,7 @@ def test_legacy_file_is_refused_then_rearchived_committed(stack_settings: Settin
         assert reader.first_offset_at(topic, 0, TX_TS, below=high2) == 0
         assert reader.files_for(topic, 0, 0, high2)[0].path == path
 
-    _, summary = run_archiver(KafkaResource(), IcebergResource(), spec)
+    _, summary = run_archiver(KafkaClient(), CatalogClient(), spec)
     assert summary["rearchived"] == {} and summary["records"] == 0
     tx.flush(10)
 
@@ -653,7 +655,7 @@ def test_legacy_file_below_log_start_is_unverifiable_and_refused(
     _delete_below(stack_settings, topic, {0: 2})
     assert _log_ends(stack_settings, topic)[0] == 2
 
-    runs, summary = run_archiver(KafkaResource(), IcebergResource(), spec)
+    runs, summary = run_archiver(KafkaClient(), CatalogClient(), spec)
     entry = {"file": path, "offsets": [0, 5], "kafka_deleted": [0, 2]}
     assert summary["unverifiable_legacy"] == {"0": [entry]}
     assert summary["partitions"]["0"]["unverifiable_legacy"] == [entry]
@@ -683,7 +685,7 @@ def test_legacy_file_below_log_start_is_unverifiable_and_refused(
     assert [r[3] for r in _archived(store, topic, 5, high)] == [b"c0", b"c1", b"n3"]
 
     # A later pass still cannot fix it, and says so again.
-    _, summary = run_archiver(KafkaResource(), IcebergResource(), spec)
+    _, summary = run_archiver(KafkaClient(), CatalogClient(), spec)
     assert summary["unverifiable_legacy"] == {"0": [entry]}
     assert Path(path).read_bytes() == before
     tx.flush(10)
@@ -709,7 +711,7 @@ def test_legacy_file_past_lso_waits_and_a_differing_one_is_kept(
     tampered = [(o, ts, k, b"other" if v == b"n0" else v, h) for o, ts, k, v, h in everything]
     path = _write_legacy(store, topic, 0, high, tampered)
 
-    _, summary = run_archiver(KafkaResource(), IcebergResource(), spec)
+    _, summary = run_archiver(KafkaClient(), CatalogClient(), spec)
     entry = {"file": path, "offsets": [0, high]}
     assert summary["legacy_waiting_for_transaction"] == {"0": [{**entry, "last_stable_offset": 2}]}
     assert summary["rearchived"] == {} and summary["records"] == 0
@@ -718,7 +720,7 @@ def test_legacy_file_past_lso_waits_and_a_differing_one_is_kept(
 
     tx.commit_transaction(60)
     _, _, high2 = _wait_ends(stack_settings, topic, high=high + 1)
-    _, summary = run_archiver(KafkaResource(), IcebergResource(), spec)
+    _, summary = run_archiver(KafkaClient(), CatalogClient(), spec)
     assert summary["unverifiable_legacy"] == {
         "0": [{**entry, "reason": "Kafka holds records that differ from the file's"}]
     }
@@ -729,7 +731,7 @@ def test_legacy_file_past_lso_waits_and_a_differing_one_is_kept(
 
     # The faithful legacy file (what the old archiver really wrote) is re-archived.
     _write_legacy(store, topic, 0, high, everything)
-    _, summary = run_archiver(KafkaResource(), IcebergResource(), spec)
+    _, summary = run_archiver(KafkaClient(), CatalogClient(), spec)
     assert summary["rearchived"] == {"0": [{**entry, "records_before": 3, "records_after": 3}]}
     assert summary["unverifiable_legacy"] == {} and summary["legacy_waiting_for_transaction"] == {}
     assert _archived(store, topic, 0, high2) == _read_log(

@@ -17,9 +17,9 @@ import dagster as dg
 import pytest
 from click.testing import CliRunner
 
-from backfill_assets.defs.resources import KafkaResource
 from backfill_assets.lake.rollback import HourRestore, RollbackResult
 from backfill_assets.ops import cli
+from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ def closed_kafka(stack_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> 
         sock.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{sock.getsockname()[1]}"
     monkeypatch.setenv("BACKFILL_KAFKA_BOOTSTRAP", address)
-    monkeypatch.setattr(cli, "_kafka", lambda: KafkaResource(request_timeout_s=2.0))
+    monkeypatch.setattr(cli, "_kafka", lambda: KafkaClient(request_timeout_s=2.0))
     yield address
 
 

@@ -1,14 +1,15 @@
 """Exactness against hostile producers: every table equals the generator's ground truth.
 
-The topic is written the way real systems write (``backfill_assets.demo.hostile``): three producers
-whose clocks disagree by tens of seconds, transactions of which some abort, identical re-sends,
-corrections of an event, tombstones, and two partitions added after four hours of history.
-The whole session runs with a non-UTC ``TZ`` (conftest), so nothing here may depend on the
-machine's zone.
+The topic is written the way real systems write (``backfill_assets_tests.support.hostile``):
+three producers whose clocks disagree by tens of seconds, transactions of which some abort,
+identical re-sends, corrections of an event, tombstones, and two partitions added after four
+hours of history. The whole session runs with a non-UTC ``TZ`` (conftest), so nothing here
+may depend on the machine's zone.
 
 Raw hours 0-3 are backfilled before the partitions are added, hours 4-7 after, so the second
 run chains on the first one's published windows. The expected hour of every committed record
-comes from the truth alone (:func:`backfill_assets.demo.hostile.hour_of`), never from the product.
+comes from the truth alone (:func:`backfill_assets_tests.support.hostile.hour_of`), never from
+the product.
 """
 
 from __future__ import annotations
@@ -28,15 +29,15 @@ import pytest
 
 from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.defs.definitions import RESOURCES, SPECS
-from backfill_assets.defs.resources import KafkaResource
-from backfill_assets.demo import hostile
 from backfill_assets.lake import ledger
 from backfill_assets.lake.windows import HOUR, scan
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog
 from backfill_assets.stack.faults import branch_mutation
+from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support import hostile
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -85,7 +86,7 @@ def _materialize(
 
 def _wait_stable(settings: Settings, topic: str) -> None:
     """Transaction markers are written just after commit returns: wait until LSO == HW."""
-    kafka = KafkaResource()
+    kafka = KafkaClient()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if all(lso == hw for _low, lso, hw in kafka.log_ends(topic).values()):
@@ -257,7 +258,7 @@ def test_second_run_chains_on_the_first_runs_windows(world: World) -> None:
     assert set(windows[HOURS[4]]) == {0, 1, 2, 3, 4}
     # Any single hour, or a range before the partitions were added, scanned again with the
     # ledger maps to exactly its published offsets (added partitions empty before they exist).
-    kafka = KafkaResource()
+    kafka = KafkaClient()
     for first, last in [(h, h) for h in HOURS] + [(HOURS[0], HOURS[1]), (HOURS[2], HOURS[3])]:
         again = scan(kafka, world.spec.topic, first, last + HOUR, published=windows)
         for hour in again.hours:

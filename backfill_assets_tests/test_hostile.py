@@ -21,7 +21,11 @@ from confluent_kafka import Consumer, IsolationLevel, KafkaError, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec  # type: ignore[attr-defined]
 
 from backfill_assets.demo.generator import partition_for
-from backfill_assets.demo.hostile import (
+from backfill_assets.errors import GeneratorError
+from backfill_assets.lake.windows import record_hash as windows_record_hash
+from backfill_assets.spec.loader import load_specs
+from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support.hostile import (
     CurrentRow,
     HostileConfig,
     HostileRecord,
@@ -47,10 +51,6 @@ from backfill_assets.demo.hostile import (
     truth_from_log,
     windows,
 )
-from backfill_assets.errors import GeneratorError
-from backfill_assets.lake.windows import record_hash as windows_record_hash
-from backfill_assets.spec.loader import load_specs
-from backfill_assets.stack.settings import Settings
 
 START = datetime(2026, 1, 1, tzinfo=UTC)
 # record_hash(0, 5, b"k", b"v") as Spark computes it: SELECT xxhash64(0, 5L, X'6B', X'76',

@@ -20,12 +20,12 @@ import pytest
 from backfill_assets.defs.assets import build_raw_asset, build_topic_assets
 from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.defs.maintenance import build_maintenance_defs, maintenance_targets
-from backfill_assets.defs.resources import KafkaResource
 from backfill_assets.demo.generator import GeneratorConfig, generate
 from backfill_assets.lake import audit, detect, ledger, maintenance, rollback
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog
+from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import MaintenanceSettings, Settings
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ def _refs(spark: SparkSession, table: str) -> set[str]:
 
 def _findings(world: World) -> tuple[Any, Any]:
     ns = world.settings.catalog.namespace
-    found = detect.find(KafkaResource(), world.cat, ns, world.spec, specs=[world.spec], now=NOW)
+    found = detect.find(KafkaClient(), world.cat, ns, world.spec, specs=[world.spec], now=NOW)
     late = detect.late_event_hours(world.cat, ns, world.spec, now=NOW)
     return found, late
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime
 
-import dagster as dg
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from backfill_assets.defs.resources import KafkaResource
 from backfill_assets.demo.generator import GeneratorConfig, generate
+from backfill_assets.errors import KafkaClientError
+from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import Settings
 
 START = datetime(2026, 5, 1, tzinfo=UTC)
@@ -22,7 +22,7 @@ def test_offsets_for_times_and_watermarks(stack_settings: Settings) -> None:
         stack_settings,
         GeneratorConfig(topic=topic, start=START, hours=3, events_per_hour=60, partitions=3),
     )
-    kafka = KafkaResource()
+    kafka = KafkaClient()
     groups_before = {
         g.group_id
         for g in AdminClient(stack_settings.kafka.client_config())
@@ -52,5 +52,5 @@ def test_offsets_for_times_and_watermarks(stack_settings: Settings) -> None:
 
 
 def test_unknown_topic_is_named(stack_settings: Settings) -> None:
-    with pytest.raises(dg.Failure, match="no_such_topic"):
-        KafkaResource().partitions("no_such_topic")
+    with pytest.raises(KafkaClientError, match="no_such_topic"):
+        KafkaClient().partitions("no_such_topic")

@@ -15,12 +15,13 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 
 from backfill_assets.defs.definitions import SPECS
-from backfill_assets.defs.resources import IcebergResource, KafkaResource
 from backfill_assets.demo.generator import GeneratorConfig, generate
 from backfill_assets.lake import detect
 from backfill_assets.lake.archiver import run_archiver
 from backfill_assets.spec.declared import renamed
 from backfill_assets.stack import catalog
+from backfill_assets.stack.catalog import CatalogClient
+from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import Settings
 
 START = datetime(2026, 9, 1, tzinfo=UTC)
@@ -49,7 +50,7 @@ def test_hours_about_to_leave_retention_are_reported(stack_settings: Settings) -
     now = datetime.now(UTC)
 
     # Unlimited retention: nothing is at risk.
-    assert detect.find(KafkaResource(), cat, ns, spec, now=now).retention_risks == []
+    assert detect.find(KafkaClient(), cat, ns, spec, now=now).retention_risks == []
 
     # Retention such that the first hour leaves Kafka in about 2 h: within a 24 h horizon all
     # three (unmaterialized) hours are at risk, within a 2.5 h horizon only the first.
@@ -59,7 +60,7 @@ def test_hours_about_to_leave_retention_are_reported(stack_settings: Settings) -
         topic,
         int((age_of_first_hour_end + timedelta(hours=2)) / timedelta(milliseconds=1)),
     )
-    risks = detect.find(KafkaResource(), cat, ns, spec, now=now).retention_risks
+    risks = detect.find(KafkaClient(), cat, ns, spec, now=now).retention_risks
     assert [r["hour"] for r in risks] == [
         (START + timedelta(hours=h)).isoformat() for h in range(3)
     ]
@@ -72,10 +73,10 @@ def test_hours_about_to_leave_retention_are_reported(stack_settings: Settings) -
     }
     assert [r["archived"] for r in risks] == [False] * 3
     # Once archived, the same hours are still at risk of leaving Kafka, but say they are safe.
-    run_archiver(KafkaResource(), IcebergResource(), spec)
-    archived = detect.find(KafkaResource(), cat, ns, spec, now=now).retention_risks
+    run_archiver(KafkaClient(), CatalogClient(), spec)
+    archived = detect.find(KafkaClient(), cat, ns, spec, now=now).retention_risks
     assert [(r["hour"], r["archived"]) for r in archived] == [(r["hour"], True) for r in risks]
     near = detect.find(
-        KafkaResource(), cat, ns, spec, now=now, retention_horizon=timedelta(minutes=150)
+        KafkaClient(), cat, ns, spec, now=now, retention_horizon=timedelta(minutes=150)
     ).retention_risks
     assert [r["hour"] for r in near] == [START.isoformat()]

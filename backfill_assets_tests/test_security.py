@@ -363,7 +363,7 @@ def test_wrong_password_fails_at_once_naming_broker_and_cause(
     bootstrap = sasl_stack.settings.kafka.bootstrap_servers
     assert f"Kafka at {bootstrap} rejected authentication" in message
     assert "Authentication failed" in message
-    # KafkaResource.request_timeout_s is 30 s: failing well before it is failing "at once".
+    # KafkaClient.request_timeout_s is 30 s: failing well before it is failing "at once".
     assert elapsed < 25, f"took {elapsed:.0f}s"
     settings = Settings.from_env(stack_env)
     rows = audit.query(

@@ -30,20 +30,17 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+
+from backfill_assets_tests.support.services import dagster_services, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HISTORY_START = datetime(2026, 6, 1, tzinfo=UTC)
@@ -66,72 +63,9 @@ print(json.dumps({"import_s": t1 - t0, "session_s": t2 - t1, "first_job_s": t3 -
 """
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def loadavg() -> str:
     """The 1-minute load average (``/proc/loadavg``); this machine has 2 cores."""
     return Path("/proc/loadavg").read_text().split()[0]
-
-
-@contextmanager
-def dagster_services(home: Path, env: dict[str, str], dagster_yaml: Path) -> Iterator[str]:
-    """The webserver and the daemon, started as backfill_assets_tests/conftest.py's
-    ``dagster_services`` fixture starts them; yields the base URL; stops both (by PID)."""
-    import dagster as dg
-
-    home.mkdir(parents=True, exist_ok=True)
-    shutil.copy(dagster_yaml, home / "dagster.yaml")
-    with dg.DagsterInstance.from_config(str(home)):
-        pass  # create the SQLite storage once, before the services (see conftest.py)
-    port = free_port()
-    bin_dir = Path(sys.executable).parent
-    logs = home / "services.log"
-    procs: list[subprocess.Popen[bytes]] = []
-    webserver = [str(bin_dir / "dagster-webserver"), "-w", "workspace.yaml", "-h", "127.0.0.1"]
-    with logs.open("ab") as log:
-        for cmd in (
-            [*webserver, "-p", str(port)],
-            [str(bin_dir / "dagster-daemon"), "run", "-w", "workspace.yaml"],
-        ):
-            procs.append(
-                subprocess.Popen(
-                    cmd,
-                    cwd=REPO_ROOT,
-                    env={**env, "DAGSTER_HOME": str(home)},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    try:
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/server_info", timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                    raise RuntimeError(
-                        f"Dagster services did not start; see {logs}:\n"
-                        + logs.read_text(errors="replace")[-2000:]
-                    ) from None
-                time.sleep(1)
-        yield url
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 def spark_alone(env: dict[str, str]) -> dict[str, float]:
@@ -406,7 +340,9 @@ def main() -> None:
             print("  " + ", ".join(f"{k} {v:.1f} s" for k, v in alone.items()), flush=True)
         dagster_home = home / "dagster-home"
         with (
-            dagster_services(dagster_home, dict(os.environ), args.dagster_yaml) as url,
+            dagster_services(
+                dagster_home, dict(os.environ), args.dagster_yaml, start_timeout_s=180
+            ) as url,
             dg.DagsterInstance.from_config(str(dagster_home)) as instance,
         ):
             client = launch.DagsterClient(url)

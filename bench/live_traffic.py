@@ -109,11 +109,11 @@ def main() -> None:
             "BACKFILL_REPLAY_MAX_RECORDS_PER_S": str(args.cap),
         }
     )
-    from backfill_assets.defs.resources import KafkaResource
     from backfill_assets.demo.generator import GeneratorConfig, generate
     from backfill_assets.lake.replay import offset_contract, read_contract, read_throttled
     from backfill_assets.stack import spark as spark_mod
     from backfill_assets.stack.broker import LocalBroker
+    from backfill_assets.stack.kafka import KafkaClient
     from backfill_assets.stack.settings import Settings
 
     settings = Settings.from_env()
@@ -137,7 +137,7 @@ def main() -> None:
         admin.create_topics([NewTopic(live, 3, 1)])[live].result(30)
         spark = spark_mod.get_session(settings)
         contract = offset_contract(
-            KafkaResource(),
+            KafkaClient(),
             history,
             HISTORY_START,
             HISTORY_START + timedelta(hours=args.history_hours),

@@ -74,11 +74,11 @@ def main() -> None:
     import dagster as dg
 
     from backfill_assets.defs.definitions import SPECS
-    from backfill_assets.defs.resources import KafkaResource
     from backfill_assets.demo.generator import GeneratorConfig, generate
     from backfill_assets.ops import launch, planner
     from backfill_assets.stack import catalog, jars
     from backfill_assets.stack.broker import LocalBroker
+    from backfill_assets.stack.kafka import KafkaClient
     from backfill_assets.stack.settings import Settings
 
     settings = Settings.from_env()
@@ -121,7 +121,7 @@ def main() -> None:
             for name, length in [*((f"warm-up {h}h", h) for h in warm), *measured]:
                 end = first + timedelta(hours=length)
                 plan = planner.make_plan(
-                    KafkaResource(),
+                    KafkaClient(),
                     spec,
                     first,
                     end,

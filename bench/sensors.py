@@ -55,9 +55,9 @@ def produce_history(settings: Any, topic: str, partitions: int, start: datetime,
     from confluent_kafka import Producer
     from confluent_kafka.admin import NewTopic
 
-    from backfill_assets.defs.resources import KafkaResource
+    from backfill_assets.stack.kafka import KafkaClient
 
-    admin = KafkaResource().admin()
+    admin = KafkaClient().admin()
     admin.create_topics(
         [
             NewTopic(
@@ -85,14 +85,15 @@ def publish_all(
     spec: Any, start: datetime, hours: int
 ) -> dict[datetime, dict[int, tuple[int, int]]]:
     """Ledger rows for every hour of the raw, current and declared tables (one commit each)."""
-    from backfill_assets.defs.resources import IcebergResource, KafkaResource
     from backfill_assets.lake import ledger
+    from backfill_assets.stack.catalog import CatalogClient
+    from backfill_assets.stack.kafka import KafkaClient
 
-    iceberg = IcebergResource()
+    iceberg = CatalogClient()
     catalog = iceberg.catalog()
     ns = iceberg.settings.catalog.namespace  # this size's (BACKFILL_NAMESPACE)
     all_hours = [start + i * HOUR for i in range(hours)]
-    bounds = KafkaResource().offsets_for_many(
+    bounds = KafkaClient().offsets_for_many(
         spec.topic, [int((start + i * HOUR).timestamp() * 1000) for i in range(hours + 1)]
     )
     offsets = {}
@@ -216,13 +217,13 @@ def late_tick_seconds(spec: Any, repeat: int) -> tuple[float, list[str], int]:
 
 def probe_seconds(spec: Any, start: datetime, hours: int, repeat: int) -> float:
     """Baseline: which hours hold records, from one ListOffsets per hour boundary."""
-    from backfill_assets.defs.resources import KafkaResource
     from backfill_assets.lake import detect
+    from backfill_assets.stack.kafka import KafkaClient
 
     times = []
     for _ in range(repeat):
         began = time.monotonic()
-        found = detect.hours_with_records(KafkaResource(), spec.topic, start, start + hours * HOUR)
+        found = detect.hours_with_records(KafkaClient(), spec.topic, start, start + hours * HOUR)
         times.append(time.monotonic() - began)
         assert len(found) == hours, f"{len(found)} hours with records, expected {hours}"
     return statistics.median(times)

@@ -482,12 +482,12 @@ def main() -> None:
 
 
 def throughput(args: argparse.Namespace, settings: Settings, topic: str, start: datetime) -> None:
-    from backfill_assets.defs.resources import KafkaResource
     from backfill_assets.lake.replay import offset_contract
     from backfill_assets.stack import spark as spark_mod
+    from backfill_assets.stack.kafka import KafkaClient
 
     spec = orders_spec(topic)
-    kafka = KafkaResource()
+    kafka = KafkaClient()
     warm = (HISTORY_START, HISTORY_START + timedelta(hours=1))
     end = start + timedelta(hours=args.hours)
     contract = offset_contract(kafka, topic, start, end)

@@ -2,7 +2,6 @@
 tables, each materialization written on a run branch, audited by blocking checks, then
 published."""
 
-import json
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
@@ -13,14 +12,13 @@ import dagster as dg
 from dagster import AssetExecutionContext
 
 from backfill_assets.defs import topics
+from backfill_assets.defs.archiver import archive_asset_key
 from backfill_assets.defs.partitions import kafka_hours
 from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
-from backfill_assets.lake import audit, checks, derived, ledger, replay, wap
-from backfill_assets.lake.archiver import archive_asset_key
-from backfill_assets.lake.windows import hours_between
+from backfill_assets.errors import KafkaClientError
+from backfill_assets.lake import audit, checks, derived, publish, replay, wap
 from backfill_assets.spec import declared
 from backfill_assets.spec.model import CURRENT_META_COLUMNS, ColumnSpec, TableSpec, TopicSpec
-from backfill_assets.stack.faults import failpoint
 
 # One run covers up to a week of hourly partitions: a 30-day backfill starts 5 runs (5 Spark
 # sessions and 5 branches), not 720. A week is also the retry unit: a failed run re-reads at
@@ -125,9 +123,6 @@ def _partition_figures(
 Published = tuple[int, int | None, list[dg.AssetCheckResult]]
 
 
-Rebase = Callable[[int], tuple[wap.Branch, list[checks.CheckOutcome]]]
-
-
 def _audit_and_publish(
     context: AssetExecutionContext,
     iceberg: IcebergResource,
@@ -137,67 +132,61 @@ def _audit_and_publish(
     results: list[checks.CheckOutcome],
     summary: dict[str, str],
     figures: dict[str, Any],
-    rebase: Rebase,
+    rebase: publish.Rebase,
     ledger_offsets: dict[datetime, dict[int, tuple[int, int]]] | None = None,
     ledger_records: dict[datetime, int] | None = None,
     ledger_event_hours: dict[datetime, dict[datetime, int]] | None = None,
 ) -> Generator[dg.AssetCheckResult, None, Published]:
-    """Publish only if every check passed, else yield the check results and fail, naming the
-    figures. On success nothing is yielded: the caller attaches the returned check results to
-    the materialization they audited (``MaterializeResult(check_results=...)``).
-
-    When main moved under the run through publishes of disjoint windows, ``rebase(attempt)``
-    re-applies the run's rows on a new branch from main and re-runs the checks, up to
-    ``BACKFILL_PUBLISH_ATTEMPTS`` times; an overlapping publish is refused, naming its run.
-    Every outcome is appended to the audit table; a publish also to the ledger (its hours and
-    offsets), after the fast-forward (the snapshot summary holds the same, for
-    :func:`backfill_assets.lake.ledger.sync_from_history`). Returns main's new snapshot id, the
-    table's total rows in it (if Iceberg's summary says) and the check results.
-    """
+    """:func:`backfill_assets.lake.publish.publish` in Dagster terms: on success nothing is
+    yielded (the caller attaches the returned check results to the materialization they
+    audited); when nothing was published, the check results are yielded and the run fails,
+    naming the figures. Returns main's new snapshot id, the table's total rows and the check
+    results."""
     window = context.partition_time_window
     tags = dict(context.run.tags)
-    record = {
-        "table_name": table,
-        "run_id": context.run.run_id,
-        "backfill_id": tags.get("dagster/backfill"),
-        "launched_by": audit.launched_by(tags),
-        "window_start": window.start,
-        "window_end": window.end,
-        "offsets": summary.get("offsets"),
-        "snapshot_before": branch.main_before,
-        "started_at": figures.pop("started_at", None),
-        **figures,
-    }
-    attempts = iceberg.settings.publish_attempts
-    snapshot: int | None = None
-    error: BaseException | None = None
-    for attempt in range(attempts):
-        record["checks"] = audit.checks_json({r.name: r.passed for r in results})
-        failed = [r for r in results if not r.passed]
-        if failed:
-            break
-        audit_summary = {
-            **summary,
-            "checks": json.dumps({r.name: "passed" for r in results}, sort_keys=True),
-        }
-        failpoint("checks_passed")
-        try:
-            snapshot = wap.publish(session, branch, audit_summary, (window.start, window.end))
-            break
-        except wap.MainMoved as exc:
-            if attempt + 1 >= attempts:
-                error = wap.PublishError(
-                    f"{exc}; gave up after {attempts} attempts (BACKFILL_PUBLISH_ATTEMPTS). "
-                    f"Nothing was published; re-run the backfill."
-                )
-                break
-            context.log.info(f"{exc} (attempt {attempt + 2} of {attempts})")
-            branch, results = rebase(attempt + 1)
-            record["snapshot_before"] = branch.main_before
-        except wap.PublishError as exc:
-            error = exc
-            break
-    evaluations = [
+    request = publish.PublishRequest(
+        table=table,
+        branch=branch,
+        results=results,
+        window=(window.start, window.end),
+        record={
+            "table_name": table,
+            "run_id": context.run.run_id,
+            "backfill_id": tags.get("dagster/backfill"),
+            "launched_by": audit.launched_by(tags),
+            "window_start": window.start,
+            "window_end": window.end,
+            "offsets": summary.get("offsets"),
+            "started_at": figures.pop("started_at", None),
+            **figures,
+        },
+        summary=summary,
+        rebase=rebase,
+        ledger_offsets=ledger_offsets,
+        ledger_records=ledger_records,
+        ledger_event_hours=ledger_event_hours,
+    )
+    try:
+        done = publish.publish(iceberg.client(), session, request, on_retry=context.log.info)
+    except publish.NotPublished as exc:
+        # Nothing is published, so there is no materialization to attach them to: Dagster
+        # records them against the partition's latest materialization, the data readers
+        # still see (the run's own rows stay on the named branch).
+        yield from _evaluations(exc.results, exc.branch)
+        raise _audited(_failure(exc, table, window.start, window.end)) from None
+    if done.recorded_late:
+        context.log.warning(f"recorded unaudited publishes of runs {done.recorded_late} on {table}")
+    if done.history_error is not None:
+        context.log.warning(
+            f"could not check {table}'s history for unaudited publishes: {done.history_error}"
+        )
+    return done.snapshot_id, done.total_records, _evaluations(done.results, done.branch)
+
+
+def _evaluations(
+    results: list[checks.CheckOutcome], branch: wap.Branch
+) -> list[dg.AssetCheckResult]:
+    return [
         dg.AssetCheckResult(
             check_name=result.name,
             passed=result.passed,
@@ -206,56 +195,23 @@ def _audit_and_publish(
         )
         for result in results
     ]
-    failed = [r for r in results if not r.passed]
-    if failed or error is not None or snapshot is None:
-        # Nothing is published, so there is no materialization to attach them to: Dagster
-        # records them against the partition's latest materialization, the data readers
-        # still see (the run's own rows stay on the named branch).
-        yield from evaluations
-    if failed:
-        detail = "; ".join(f"{r.name}: {r.summary}" for r in failed)
-        _record(iceberg, "check_failed", "failed", record, detail=detail)
-        raise _audited(
-            dg.Failure(
-                description=(
-                    f"{len(failed)} blocking check(s) failed for {table} "
-                    f"{_span(window.start, window.end)}: {detail}. Main is unchanged; inspect "
-                    f"branch {branch.name!r} (SELECT * FROM {branch.ident})."
-                ),
-                metadata={"branch": branch.name, "failed_checks": [r.name for r in failed]},
-            )
-        )
-    if error is not None or snapshot is None:
-        _record(iceberg, "publish_refused", "failed", record, detail=str(error))
-        raise _audited(error or wap.PublishError("nothing was published")) from None
-    _record(iceberg, "publish", "succeeded", {**record, "snapshot_after": snapshot})
-    cat = iceberg.catalog()
-    namespace = iceberg.settings.catalog.namespace
-    ident = table.split(".", 1)[1]
-    seq = cat.load_table(ident).metadata.snapshot_by_id(snapshot)
-    total = seq.summary.additional_properties.get("total-records") if seq and seq.summary else None
-    ledger.record_publish(
-        cat,
-        namespace,
-        table,
-        run_id=context.run.run_id,
-        snapshot_id=snapshot,
-        sequence_number=int(seq.sequence_number or 0) if seq is not None else 0,
-        hours=hours_between(window.start, window.end),
-        offsets=ledger_offsets,
-        records=ledger_records,
-        event_hours=ledger_event_hours,
+
+
+def _failure(
+    exc: publish.NotPublished, table: str, start: datetime, end: datetime
+) -> BaseException:
+    """What the run fails with when nothing was published."""
+    if isinstance(exc, publish.PublishRefused):
+        return exc.error
+    failed = [r for r in exc.results if not r.passed]
+    return dg.Failure(
+        description=(
+            f"{len(failed)} blocking check(s) failed for {table} {_span(start, end)}: {exc}. "
+            f"Main is unchanged; inspect branch {exc.branch.name!r} "
+            f"(SELECT * FROM {exc.branch.ident})."
+        ),
+        metadata={"branch": exc.branch.name, "failed_checks": [r.name for r in failed]},
     )
-    try:  # a run killed after its fast-forward left a publish without rows: add them
-        late = audit.record_unaudited_publishes(
-            cat, namespace, table, since=branch.main_before, recorded_by=context.run.run_id
-        )
-        late += ledger.sync_from_history(cat, namespace, table)
-        if late:
-            context.log.warning(f"recorded unaudited publishes of runs {late} on {table}")
-    except Exception as exc:  # main is published; a gap in the audit must not fail the run
-        context.log.warning(f"could not check {table}'s history for unaudited publishes: {exc}")
-    return snapshot, int(total) if total is not None else None, evaluations
 
 
 def _record(
@@ -310,6 +266,8 @@ def _audit_failures(
             )
         except Exception as audit_exc:
             context.log.error(f"could not write the audit row for this failure: {audit_exc}")
+        if isinstance(exc, KafkaClientError):  # Kafka said why: its message, no traceback
+            raise dg.Failure(description=str(exc)) from None
         raise
 
 
@@ -358,11 +316,12 @@ def _replay_raw(
     table = iceberg.spark_name(spec.raw_table)
     context.log.info(f"replaying {spec.topic} {_span(window.start, window.end)} into {table}")
     context.log_event(topics.observation(kafka, spec))
+    client, tables = kafka.client(), iceberg.client()
     # Kafka and the ledger first: the Spark session is still starting (SparkResource).
     contract = replay.window_contract(
-        settings=kafka.settings,
-        kafka=kafka,
-        iceberg=iceberg,
+        settings=client.settings,
+        kafka=client,
+        iceberg=tables,
         spec=spec,
         start=window.start,
         end=window.end,
@@ -371,8 +330,8 @@ def _replay_raw(
     outcome = replay.replay_to_branch(
         session,
         contract,
-        settings=kafka.settings,
-        iceberg=iceberg,
+        settings=client.settings,
+        iceberg=tables,
         spec=spec,
         run_id=context.run.run_id,
         began=began,

@@ -11,12 +11,12 @@ from collections.abc import Sequence
 
 import dagster as dg
 
+from backfill_assets.defs.archiver import build_archive_asset, build_archive_schedule
 from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.defs.maintenance import build_maintenance_defs
 from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
 from backfill_assets.defs.sensors import build_gap_sensor, build_late_data_sensor
 from backfill_assets.defs.topics import build_topic_observer, topic_asset
-from backfill_assets.lake.archiver import build_archive_asset, build_archive_schedule
 from backfill_assets.spec.loader import load_specs
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings

@@ -78,7 +78,7 @@ def build_gap_sensor(spec: TopicSpec, specs: list[TopicSpec] | None = None) -> d
     ) -> dg.SensorResult | dg.SkipReason:
         ns = iceberg.settings.catalog.namespace
         cat = iceberg.catalog()
-        found = detect.find(kafka, cat, ns, spec, specs=specs)
+        found = detect.find(kafka.client(), cat, ns, spec, specs=specs)
         state = _main_state(iceberg, spec.raw_table)
         raw_and_current = set(found.raw_gaps)
         only_current = set(found.current_gaps) - raw_and_current

@@ -14,7 +14,9 @@ from typing import Any
 import dagster as dg
 
 from backfill_assets.defs.resources import KafkaResource
+from backfill_assets.lake.detect import retention_ms
 from backfill_assets.spec.model import TopicSpec
+from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import Settings
 
 OBSERVE_INTERVAL_S = 300
@@ -48,10 +50,8 @@ def topic_asset(spec: TopicSpec) -> dg.AssetSpec:
     )
 
 
-def topic_figures(kafka: KafkaResource, spec: TopicSpec) -> dict[str, Any]:
+def topic_figures(kafka: KafkaClient, spec: TopicSpec) -> dict[str, Any]:
     """What Kafka holds of the topic now: plain values, also used by the CLI and tests."""
-    from backfill_assets.lake.detect import retention_ms
-
     ends = kafka.log_ends(spec.topic)
     ms = retention_ms(kafka, spec.topic)
     return {
@@ -67,7 +67,7 @@ def topic_figures(kafka: KafkaResource, spec: TopicSpec) -> dict[str, Any]:
 
 
 def observation(kafka: KafkaResource, spec: TopicSpec) -> dg.AssetObservation:
-    figures = topic_figures(kafka, spec)
+    figures = topic_figures(kafka.client(), spec)
     return dg.AssetObservation(
         asset_key=topic_asset_key(spec),
         metadata={

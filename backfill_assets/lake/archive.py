@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from confluent_kafka import Message
     from confluent_kafka.admin import AdminClient
 
-    from backfill_assets.defs.resources import KafkaResource
+    from backfill_assets.stack.kafka import KafkaClient
     from backfill_assets.stack.settings import Settings
 
 _NAME = re.compile(r"^(\d{20})-(\d{20})\.parquet$")
@@ -332,7 +332,7 @@ class Archive:
     # -- writing ------------------------------------------------------------------------
     def archive_topic(
         self,
-        kafka: KafkaResource,
+        kafka: KafkaClient,
         topic: str,
         *,
         partitions: list[int] | None = None,
@@ -369,7 +369,7 @@ class Archive:
         return runs
 
     def _rearchive_legacy(
-        self, kafka: KafkaResource, topic: str, run: PartitionRun, low: int, lso: int
+        self, kafka: KafkaClient, topic: str, run: PartitionRun, low: int, lso: int
     ) -> None:
         """Replace each legacy file of the partition whose offsets Kafka holds (all of them at
         or after ``low``, all of them below ``lso``) by the committed file of the same range."""
@@ -404,7 +404,7 @@ class Archive:
                 {**entry, "records_before": legacy.num_rows, "records_after": table.num_rows}
             )
 
-    def _archive_range(self, kafka: KafkaResource, topic: str, run: PartitionRun) -> None:
+    def _archive_range(self, kafka: KafkaClient, topic: str, run: PartitionRun) -> None:
         file_start = run.start
         batch: list[Message] = []
         try:
@@ -425,7 +425,7 @@ class Archive:
             self._write(topic, run, file_start, run.end, batch)
 
     def _committed_records(
-        self, kafka: KafkaResource, topic: str, partition: int, start: int, end: int
+        self, kafka: KafkaClient, topic: str, partition: int, start: int, end: int
     ) -> Generator[Message, None, None]:
         """Every committed record of ``[start, end)``, in offset order; ``end`` must not be
         above the partition's last stable offset.
@@ -511,9 +511,9 @@ class Archive:
         return final
 
 
-def log_bounds(kafka: KafkaResource, topic: str) -> dict[int, tuple[int, int, int]]:
+def log_bounds(kafka: KafkaClient, topic: str) -> dict[int, tuple[int, int, int]]:
     """Per partition: (log start offset, last stable offset, high watermark), from ListOffsets
-    (see :meth:`backfill_assets.defs.resources.KafkaResource.log_ends`)."""
+    (see :meth:`backfill_assets.stack.kafka.KafkaClient.log_ends`)."""
     return kafka.log_ends(topic)
 
 

@@ -22,10 +22,10 @@ from typing import Any
 
 from pyiceberg.catalog import Catalog
 
-from backfill_assets.defs.resources import KafkaResource
 from backfill_assets.lake import ledger
 from backfill_assets.spec import declared
 from backfill_assets.spec.model import TableSpec, TopicSpec
+from backfill_assets.stack.kafka import KafkaClient
 
 HOUR = timedelta(hours=1)
 PARTITION_FMT = "%Y-%m-%d-%H:%M"
@@ -84,7 +84,7 @@ def covered_hours(publishes: list[Publish]) -> dict[datetime, Publish]:
 
 
 def hours_with_records(
-    kafka: KafkaResource,
+    kafka: KafkaClient,
     topic: str,
     first: datetime,
     last: datetime,
@@ -121,7 +121,7 @@ def _ms(moment: datetime) -> int:
 
 
 def record_hours(
-    kafka: KafkaResource, topic: str, floor: datetime
+    kafka: KafkaClient, topic: str, floor: datetime
 ) -> tuple[datetime, datetime] | None:
     """The hours of the oldest and the newest record still in Kafka (oldest not before
     ``floor``), read from the first and last record of each partition; None if empty.
@@ -158,7 +158,7 @@ def record_hours(
 
 
 def find(
-    kafka: KafkaResource,
+    kafka: KafkaClient,
     catalog: Catalog,
     namespace: str,
     spec: TopicSpec,
@@ -371,7 +371,7 @@ def _us(moment: datetime) -> int:
 
 
 def _retention_risks(
-    kafka: KafkaResource,
+    kafka: KafkaClient,
     topic: str,
     in_kafka: dict[datetime, dict[int, tuple[int, int]]],
     raw_pub: dict[datetime, Publish],
@@ -403,7 +403,7 @@ def _retention_risks(
     return out
 
 
-def retention_ms(kafka: KafkaResource, topic: str) -> int | None:
+def retention_ms(kafka: KafkaClient, topic: str) -> int | None:
     """The topic's ``retention.ms`` (negative: unlimited), None if the broker does not say."""
     from confluent_kafka.admin import ConfigResource, ResourceType  # type: ignore[attr-defined]
 

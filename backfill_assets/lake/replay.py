@@ -41,7 +41,8 @@ if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
     from pyspark.sql import Column, DataFrame, SparkSession
 
-    from backfill_assets.defs.resources import IcebergResource, KafkaResource
+    from backfill_assets.stack.catalog import CatalogClient
+    from backfill_assets.stack.kafka import KafkaClient
     from backfill_assets.stack.settings import Settings
 
 _SPARK_TYPES = {
@@ -243,7 +244,7 @@ def quarantine_ddl(spark_name: str) -> str:
 
 
 def offset_contract(
-    kafka: KafkaResource,
+    kafka: KafkaClient,
     topic: str,
     start: datetime,
     end: datetime,
@@ -636,8 +637,8 @@ def ensure_tables(
 def window_contract(
     *,
     settings: Settings,
-    kafka: KafkaResource,
-    iceberg: IcebergResource,
+    kafka: KafkaClient,
+    iceberg: CatalogClient,
     spec: TopicSpec,
     start: datetime,
     end: datetime,
@@ -674,7 +675,7 @@ def replay_to_branch(
     contract: OffsetContract,
     *,
     settings: Settings,
-    iceberg: IcebergResource,
+    iceberg: CatalogClient,
     spec: TopicSpec,
     run_id: str,
     began: float | None = None,

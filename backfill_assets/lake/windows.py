@@ -42,8 +42,8 @@ import xxhash
 from backfill_assets.errors import BackfillError
 
 if TYPE_CHECKING:
-    from backfill_assets.defs.resources import KafkaResource
     from backfill_assets.lake.archive import Archive
+    from backfill_assets.stack.kafka import KafkaClient
 
 HOUR = timedelta(hours=1)
 
@@ -291,7 +291,7 @@ class _Cursor:
 
 
 def scan(
-    kafka: KafkaResource,
+    kafka: KafkaClient,
     topic: str,
     start: datetime,
     end: datetime,
@@ -432,7 +432,7 @@ def scan(
 
 
 def _read_kafka(
-    kafka: KafkaResource,
+    kafka: KafkaClient,
     topic: str,
     cursors: dict[int, _Cursor],
     cells: dict[int, list[Cell | None]],
@@ -500,7 +500,7 @@ def _read_kafka(
         consumer.close()
 
 
-def _hints(kafka: KafkaResource, topic: str, parts: list[int], at: datetime) -> dict[int, int]:
+def _hints(kafka: KafkaClient, topic: str, parts: list[int], at: datetime) -> dict[int, int]:
     """The broker's ListOffsets answer for ``at`` (read_committed): a lower bound of the first
     committed record at or after it (-1 where none is below the LSO)."""
     if not parts:

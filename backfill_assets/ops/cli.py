@@ -52,9 +52,9 @@ from backfill_assets.stack.broker import LocalBroker
 from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:
-    from backfill_assets.defs.resources import KafkaResource
     from backfill_assets.lake.rollback import RollbackResult
     from backfill_assets.ops.launch import Progress as BackfillProgress
+    from backfill_assets.stack.kafka import KafkaClient
 
 PARTITION_FMT = "%Y-%m-%d-%H:%M"  # Dagster's hourly partition keys
 
@@ -443,11 +443,11 @@ def _spec(topic: str) -> TopicSpec:
     return specs[topic]
 
 
-def _kafka() -> KafkaResource:
-    """The Kafka resource the commands use (one place, so tests can shorten its timeout)."""
-    from backfill_assets.defs.resources import KafkaResource
+def _kafka() -> KafkaClient:
+    """The Kafka client the commands use (one place, so tests can shorten its timeout)."""
+    from backfill_assets.stack.kafka import KafkaClient
 
-    return KafkaResource()
+    return KafkaClient()
 
 
 def _ranges(
@@ -543,9 +543,9 @@ def materialize_command(ui: Ui, settings: Settings, topic: str, start: str, end:
 @_with_ui
 def archive_command(ui: Ui, settings: Settings, topic: str, status: bool) -> int:
     """Copy new records of a topic to the archive now (--status: show what is archived)."""
-    from backfill_assets.defs.resources import IcebergResource
     from backfill_assets.lake.archive import Archive
     from backfill_assets.lake.archiver import run_archiver
+    from backfill_assets.stack.catalog import CatalogClient
 
     specs = _specs()
     spec = specs.get(topic)
@@ -578,7 +578,7 @@ def archive_command(ui: Ui, settings: Settings, topic: str, status: bool) -> int
     with ui.progress(f"archiving {spec.topic}", None, "partitions") as update:
         runs, summary = run_archiver(
             kafka,
-            IcebergResource(),
+            CatalogClient(),
             spec,
             launched_by="cli",
             on_progress=update,

@@ -16,13 +16,13 @@ import dagster as dg
 from confluent_kafka import Consumer, TopicPartition
 
 from backfill_assets.defs.assets import BACKFILL_POLICY, raw_asset_key, table_asset_key
-from backfill_assets.defs.resources import KafkaResource
 from backfill_assets.lake import ledger
 from backfill_assets.lake.archive import Archive
 from backfill_assets.lake.replay import OffsetContract, offset_contract
 from backfill_assets.lake.windows import WindowError, WindowNotSealed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog
+from backfill_assets.stack.kafka import KafkaClient
 
 SAMPLE_RECORDS = 2000
 # Fixed cost of one run (Spark session, branch, checks, publish: RUN_START to RUN_SUCCESS),
@@ -178,7 +178,7 @@ def target_tables(spec: TopicSpec) -> list[str]:
 
 
 def make_plan(
-    kafka: KafkaResource,
+    kafka: KafkaClient,
     spec: TopicSpec,
     start: datetime,
     end: datetime,
@@ -527,7 +527,7 @@ def _scorecard(plan: Plan, spec: TopicSpec, end: datetime) -> list[Score]:
     return scores
 
 
-def _sample(kafka: KafkaResource, contract: OffsetContract, spec: TopicSpec) -> dict[str, Any]:
+def _sample(kafka: KafkaClient, contract: OffsetContract, spec: TopicSpec) -> dict[str, Any]:
     """Read up to SAMPLE_RECORDS from the start of the range (no group join, no commit)."""
     consumer: Consumer = kafka.offsets_consumer()
     in_kafka = contract.kafka_ranges
@@ -573,7 +573,7 @@ def _sample(kafka: KafkaResource, contract: OffsetContract, spec: TopicSpec) -> 
 
 
 def _sample_archive(
-    kafka: KafkaResource, contract: OffsetContract, spec: TopicSpec
+    kafka: KafkaClient, contract: OffsetContract, spec: TopicSpec
 ) -> dict[str, Any]:
     """Sample the archived part of a range (when none of it is in Kafka any more)."""
     store = Archive(kafka.settings)

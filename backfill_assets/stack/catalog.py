@@ -17,7 +17,7 @@ from urllib.parse import quote, urlparse
 
 from pyiceberg.catalog import Catalog, load_catalog
 
-from backfill_assets.stack.settings import CatalogSettings
+from backfill_assets.stack.settings import CatalogSettings, Settings
 
 # The DDL Iceberg's Java JdbcCatalog uses with jdbc.schema-version=V1 (views supported).
 # Created up front so whichever engine touches the catalog first, both find the same schema.
@@ -137,3 +137,28 @@ def _s3_properties(cfg: CatalogSettings) -> dict[str, str]:
         props["s3.region"] = cfg.s3_region
         props["client.region"] = cfg.s3_region
     return props
+
+
+class CatalogClient:
+    """The project's tables in its one catalog, as pyiceberg loads them and as Spark names them.
+
+    Reads :class:`Settings` from the environment at each call unless given ``settings``."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self._settings = settings
+
+    @property
+    def settings(self) -> Settings:
+        return self._settings or Settings.from_env()
+
+    def catalog(self) -> Catalog:
+        return load(self.settings.catalog)
+
+    def spark_name(self, table: str) -> str:
+        """``<catalog>.<namespace>.<table>``, the name Spark SQL uses."""
+        cfg = self.settings.catalog
+        return f"{cfg.name}.{cfg.namespace}.{table}"
+
+    def identifier(self, table: str) -> str:
+        """``<namespace>.<table>``, the name pyiceberg uses."""
+        return f"{self.settings.catalog.namespace}.{table}"

@@ -1,0 +1,203 @@
+"""The publish protocol of every table: audit on the run's branch, publish, record.
+
+:func:`publish` takes a run's branch and its blocking check results. It publishes only when
+every check passed, by one atomic Iceberg commit that fast-forwards main to the audited branch
+(:func:`backfill_assets.lake.wap.publish`). When main moved under the run through publishes of
+disjoint windows, ``rebase(attempt)`` re-applies the run's rows on a new branch from main and
+re-runs the checks, up to ``BACKFILL_PUBLISH_ATTEMPTS`` times; an overlapping publish is
+refused, naming its run.
+
+What is atomic: only the fast-forward. The audit row and the ledger rows are written after it;
+a run killed in between leaves main published without them, and the next publish of the table
+adds them from the snapshot summaries (``audit.record_unaudited_publishes``,
+``ledger.sync_from_history``). Every outcome (published, checks failed, refused) is appended to
+the audit table before this returns or raises.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from backfill_assets.errors import BackfillError
+from backfill_assets.lake import audit, ledger, wap
+from backfill_assets.lake.checks import CheckOutcome
+from backfill_assets.lake.windows import hours_between
+from backfill_assets.stack.catalog import CatalogClient
+from backfill_assets.stack.faults import failpoint
+
+Rebase = Callable[[int], tuple[wap.Branch, list[CheckOutcome]]]
+
+
+@dataclass
+class PublishRequest:
+    """One run's branch of ``table`` (a Spark identifier), its check results and what the audit
+    and the ledger record of it."""
+
+    table: str
+    branch: wap.Branch
+    results: list[CheckOutcome]
+    window: tuple[datetime, datetime]
+    # Columns of the audit row (run_id, backfill_id, launched_by, figures, ...).
+    record: dict[str, Any]
+    # Snapshot summary entries written with the publish.
+    summary: dict[str, str]
+    rebase: Rebase
+    ledger_offsets: dict[datetime, dict[int, tuple[int, int]]] | None = None
+    ledger_records: dict[datetime, int] | None = None
+    ledger_event_hours: dict[datetime, dict[datetime, int]] | None = None
+
+
+@dataclass
+class Published:
+    """Main's new snapshot, the table's total rows in it (if Iceberg's summary says), the check
+    results of the audited branch and what was learnt after the commit."""
+
+    snapshot_id: int
+    total_records: int | None
+    branch: wap.Branch
+    results: list[CheckOutcome]
+    recorded_late: list[str] = field(default_factory=list)
+    history_error: str | None = None
+
+
+class NotPublished(BackfillError):
+    """Nothing was published; the audit table says why. Carries the branch and its checks."""
+
+    def __init__(self, message: str, branch: wap.Branch, results: list[CheckOutcome]) -> None:
+        super().__init__(message)
+        self.branch = branch
+        self.results = results
+
+
+class ChecksFailed(NotPublished):
+    """A blocking check failed on the branch: main is unchanged."""
+
+    @property
+    def failed(self) -> list[CheckOutcome]:
+        return [r for r in self.results if not r.passed]
+
+
+class PublishRefused(NotPublished):
+    """The checks passed but the publish was refused (an overlapping publish, attempts used
+    up, a branch that could not be committed)."""
+
+    def __init__(
+        self, error: BaseException, branch: wap.Branch, results: list[CheckOutcome]
+    ) -> None:
+        super().__init__(str(error), branch, results)
+        self.error = error
+
+
+def publish(
+    tables: CatalogClient,
+    session: Any,
+    request: PublishRequest,
+    *,
+    on_retry: Callable[[str], None] = lambda _message: None,
+) -> Published:
+    """Publish ``request``'s branch if every check passed (rebasing on a moved main), then
+    record it in the audit table and the ledger. Raises :class:`ChecksFailed` or
+    :class:`PublishRefused` when nothing was published."""
+    record = dict(request.record, snapshot_before=request.branch.main_before)
+    branch, results, snapshot, error = _attempt(tables, session, request, record, on_retry)
+    record["checks"] = audit.checks_json({r.name: r.passed for r in results})
+    failed = [r for r in results if not r.passed]
+    if failed:
+        detail = "; ".join(f"{r.name}: {r.summary}" for r in failed)
+        _audit(tables, "check_failed", "failed", record, detail=detail)
+        raise ChecksFailed(detail, branch, results)
+    if error is not None or snapshot is None:
+        error = error or wap.PublishError("nothing was published")
+        _audit(tables, "publish_refused", "failed", record, detail=str(error))
+        raise PublishRefused(error, branch, results)
+    _audit(tables, "publish", "succeeded", {**record, "snapshot_after": snapshot})
+    total = _record_publish(tables, request, snapshot)
+    late, history_error = _record_history(tables, request.table, branch, record.get("run_id"))
+    return Published(snapshot, total, branch, results, late, history_error)
+
+
+def _attempt(
+    tables: CatalogClient,
+    session: Any,
+    request: PublishRequest,
+    record: dict[str, Any],
+    on_retry: Callable[[str], None],
+) -> tuple[wap.Branch, list[CheckOutcome], int | None, BaseException | None]:
+    """The publish attempts: (audited branch, its checks, main's new snapshot, refusal)."""
+    branch, results = request.branch, request.results
+    attempts = tables.settings.publish_attempts
+    for attempt in range(attempts):
+        if any(not r.passed for r in results):
+            return branch, results, None, None
+        summary = {
+            **request.summary,
+            "checks": json.dumps({r.name: "passed" for r in results}, sort_keys=True),
+        }
+        failpoint("checks_passed")
+        try:
+            return branch, results, wap.publish(session, branch, summary, request.window), None
+        except wap.MainMoved as exc:
+            if attempt + 1 >= attempts:
+                refused = wap.PublishError(
+                    f"{exc}; gave up after {attempts} attempts (BACKFILL_PUBLISH_ATTEMPTS). "
+                    f"Nothing was published; re-run the backfill."
+                )
+                return branch, results, None, refused
+            on_retry(f"{exc} (attempt {attempt + 2} of {attempts})")
+            branch, results = request.rebase(attempt + 1)
+            record["snapshot_before"] = branch.main_before
+        except wap.PublishError as exc:
+            return branch, results, None, exc
+    return branch, results, None, None
+
+
+def _audit(
+    tables: CatalogClient, event: str, outcome: str, fields: dict[str, Any], **extra: Any
+) -> None:
+    audit.append(
+        tables.catalog(),
+        tables.settings.catalog.namespace,
+        audit.AuditRecord(event=event, outcome=outcome, **fields, **extra),
+    )
+
+
+def _record_publish(tables: CatalogClient, request: PublishRequest, snapshot: int) -> int | None:
+    """The ledger rows of the publish; returns the table's total rows from Iceberg's summary."""
+    cat = tables.catalog()
+    ident = request.table.split(".", 1)[1]
+    seq = cat.load_table(ident).metadata.snapshot_by_id(snapshot)
+    total = seq.summary.additional_properties.get("total-records") if seq and seq.summary else None
+    ledger.record_publish(
+        cat,
+        tables.settings.catalog.namespace,
+        request.table,
+        run_id=str(request.record.get("run_id")),
+        snapshot_id=snapshot,
+        sequence_number=int(seq.sequence_number or 0) if seq is not None else 0,
+        hours=hours_between(*request.window),
+        offsets=request.ledger_offsets,
+        records=request.ledger_records,
+        event_hours=request.ledger_event_hours,
+    )
+    return int(total) if total is not None else None
+
+
+def _record_history(
+    tables: CatalogClient, table: str, branch: wap.Branch, run_id: Any
+) -> tuple[list[str], str | None]:
+    """Audit and ledger rows for publishes of runs killed after their fast-forward (found in
+    main's history since ``branch`` was made): (their run ids, an error if the look failed;
+    main is published either way, so a failure here must not fail the run)."""
+    cat, namespace = tables.catalog(), tables.settings.catalog.namespace
+    try:
+        late = audit.record_unaudited_publishes(
+            cat, namespace, table, since=branch.main_before, recorded_by=run_id
+        )
+        late += ledger.sync_from_history(cat, namespace, table)
+    except Exception as exc:
+        return [], str(exc)
+    return list(late), None

@@ -1,0 +1,184 @@
+"""The plain Kafka client: topic metadata and ListOffsets look-ups with confluent-kafka.
+
+It never subscribes, joins or commits to a consumer group, and it reads committed: every offset
+it answers is below the last stable offset. A broker that refuses the credentials, does not
+answer or lacks the topic raises :class:`~backfill_assets.errors.KafkaClientError`, naming the
+broker, the topic and the settings to check. The Dagster resource
+(:class:`backfill_assets.defs.resources.KafkaResource`) only wraps it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from backfill_assets.errors import KafkaClientError
+from backfill_assets.stack.settings import Settings
+
+
+class KafkaClient:
+    """Kafka metadata and offset look-ups. Never joins or commits to a consumer group.
+
+    Reads :class:`Settings` from the environment at each call unless given ``settings``, so a
+    long-lived client follows the process's environment as the Dagster resource did."""
+
+    def __init__(self, settings: Settings | None = None, request_timeout_s: float = 30.0) -> None:
+        self._settings = settings
+        self.request_timeout_s = request_timeout_s
+
+    @property
+    def settings(self) -> Settings:
+        return self._settings or Settings.from_env()
+
+    def admin(self) -> AdminClient:
+        return AdminClient(self.settings.kafka.client_config())
+
+    def offsets_consumer(self) -> Consumer:
+        """A consumer used only for ListOffsets look-ups: it never subscribes or commits.
+
+        librdkafka requires a group.id to construct a consumer; this one is unique per
+        process and is never joined, so no consumer group state is created on the broker.
+        """
+        conf: dict[str, str | int | float | bool] = {
+            **self.settings.kafka.client_config(),
+            "group.id": "backfill-assets-offsets-lookup",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            # Committed reads: ListOffsets answers only below the last stable offset, and
+            # records of aborted transactions are never returned.
+            "isolation.level": "read_committed",
+        }
+        return Consumer(conf)
+
+    def log_ends(self, topic: str) -> dict[int, tuple[int, int, int]]:
+        """Per partition, (log start offset, last stable offset, high watermark).
+
+        The last stable offset (LSO) is below the high watermark while a transaction is open:
+        a committed reader cannot see past it, so nothing at or after it can be sealed.
+        """
+        from confluent_kafka import IsolationLevel
+        from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
+
+        parts = self.partitions(topic)
+        admin = self.admin()
+        out: dict[int, list[int]] = {p: [0, 0, 0] for p in parts}
+        earliest, latest = OffsetSpec.earliest(), OffsetSpec.latest()  # type: ignore[no-untyped-call]
+        # The high watermark is asked first, so an LSO below it means a transaction really
+        # held it back (records arriving in between can only raise the LSO).
+        for slot, spec, level in (
+            (2, latest, IsolationLevel.READ_UNCOMMITTED),
+            (1, latest, IsolationLevel.READ_COMMITTED),
+            (0, earliest, IsolationLevel.READ_COMMITTED),
+        ):
+            futures = admin.list_offsets(
+                {TopicPartition(topic, p): spec for p in parts},
+                isolation_level=level,
+                request_timeout=self.request_timeout_s,
+            )
+            for tp, future in futures.items():
+                out[tp.partition][slot] = int(future.result().offset)
+        return {p: (v[0], v[1], v[2]) for p, v in out.items()}
+
+    def partitions(self, topic: str) -> list[int]:
+        """The topic's partitions. Every offset look-up starts here, so this is where a broker
+        that refuses our credentials fails the run at once, naming the broker, instead of
+        after the request timeout with librdkafka's generic "transport failure"."""
+        errors: list[KafkaError] = []
+        conf: dict[str, Any] = {**self.settings.kafka.client_config(), "error_cb": errors.append}
+        admin = AdminClient(conf)
+        bootstrap = self.settings.kafka.bootstrap_servers
+        deadline = time.monotonic() + self.request_timeout_s
+        while True:
+            try:
+                meta = admin.list_topics(topic=topic, timeout=1.0)
+                break
+            except KafkaException as exc:
+                admin.poll(0)  # serves error_cb: authentication errors arrive there
+                auth = [e for e in errors if e.code() == KafkaError._AUTHENTICATION]
+                if auth:
+                    raise KafkaClientError(
+                        f"Kafka at {bootstrap} rejected authentication: {auth[0].str()}. Check "
+                        "BACKFILL_KAFKA_SASL_USERNAME, BACKFILL_KAFKA_SASL_PASSWORD and "
+                        "BACKFILL_KAFKA_SASL_MECHANISM"
+                    ) from None
+                if time.monotonic() >= deadline:
+                    raise KafkaClientError(
+                        f"Kafka at {bootstrap} did not answer a metadata request for topic "
+                        f"{topic!r} within {self.request_timeout_s:.0f}s: {exc}"
+                    ) from None
+        info = meta.topics.get(topic)
+        if info is None or info.error is not None:
+            raise KafkaClientError(
+                f"Kafka topic {topic!r} does not exist at {self.settings.kafka.bootstrap_servers}"
+            )
+        return sorted(info.partitions)
+
+    def offsets_for_times(self, topic: str, timestamp_ms: int) -> dict[int, int]:
+        """Per partition, the earliest offset whose timestamp is >= ``timestamp_ms``.
+
+        Where no such record exists, Kafka answers -1; this returns the high watermark instead,
+        so ``[offset_for(start), offset_for(end))`` is always a valid, possibly empty range.
+        """
+        consumer = self.offsets_consumer()
+        try:
+            parts = self.partitions(topic)
+            query = [TopicPartition(topic, p, timestamp_ms) for p in parts]
+            found = consumer.offsets_for_times(query, timeout=self.request_timeout_s)
+            result: dict[int, int] = {}
+            for tp in found:
+                if tp.offset < 0:
+                    _, high = consumer.get_watermark_offsets(
+                        TopicPartition(topic, tp.partition), timeout=self.request_timeout_s
+                    )
+                    result[tp.partition] = int(high)
+                else:
+                    result[tp.partition] = int(tp.offset)
+            return result
+        finally:
+            consumer.close()
+
+    def offsets_for_many(self, topic: str, timestamps_ms: list[int]) -> dict[int, dict[int, int]]:
+        """:meth:`offsets_for_times` for many timestamps over one consumer (one ListOffsets
+        request per timestamp: librdkafka answers one timestamp per partition per request)."""
+        consumer = self.offsets_consumer()
+        try:
+            parts = self.partitions(topic)
+            highs = {
+                p: int(
+                    consumer.get_watermark_offsets(
+                        TopicPartition(topic, p), timeout=self.request_timeout_s
+                    )[1]
+                )
+                for p in parts
+            }
+            out: dict[int, dict[int, int]] = {}
+            for ts in timestamps_ms:
+                found = consumer.offsets_for_times(
+                    [TopicPartition(topic, p, ts) for p in parts], timeout=self.request_timeout_s
+                )
+                out[ts] = {
+                    tp.partition: int(tp.offset) if tp.offset >= 0 else highs[tp.partition]
+                    for tp in found
+                }
+            return out
+        finally:
+            consumer.close()
+
+    def watermarks(self, topic: str) -> dict[int, tuple[int, int]]:
+        """Per partition, (log start offset, high watermark)."""
+        consumer = self.offsets_consumer()
+        try:
+            return {
+                p: tuple(  # type: ignore[misc]
+                    int(o)
+                    for o in consumer.get_watermark_offsets(
+                        TopicPartition(topic, p), timeout=self.request_timeout_s
+                    )
+                )
+                for p in self.partitions(topic)
+            }
+        finally:
+            consumer.close()

@@ -1,0 +1,1 @@
+"""Test support shared by the tests and bench/: hostile producers, the Dagster services."""

@@ -1,0 +1,104 @@
+"""A real Dagster webserver and daemon on one instance, for the tests and the benchmarks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from backfill_assets.stack.settings import REPO_ROOT
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def dagster_services(
+    home: Path, env: dict[str, str], dagster_yaml: Path | None = None, start_timeout_s: float = 120
+) -> Iterator[str]:
+    """Start the webserver and the daemon on the instance in ``home`` (``dagster_yaml`` copied
+    there, default the repository's); yield the base URL; stop both, by their PIDs.
+
+    Both load workspace.yaml exactly as `dg dev` does; runs they launch are subprocesses that
+    inherit ``env`` (so they reach the caller's broker and catalog)."""
+    import dagster as dg
+
+    home.mkdir(parents=True, exist_ok=True)
+    shutil.copy(dagster_yaml or REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
+    # Create the SQLite storage once, before the services: the webserver, the daemon and their
+    # code servers all open it at start-up, and concurrent first-time creation can stamp
+    # alembic_version twice ("more than one head present"), which fails the code location.
+    with dg.DagsterInstance.from_config(str(home)):
+        pass
+    port = free_port()
+    logs = home / "services.log"
+    procs = _start(home, {**env, "DAGSTER_HOME": str(home)}, port, logs)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, procs, logs, start_timeout_s)
+        yield url
+    finally:
+        _stop(procs)
+
+
+def _start(home: Path, env: dict[str, str], port: int, logs: Path) -> list[subprocess.Popen[bytes]]:
+    bin_dir = Path(sys.executable).parent
+    webserver = [str(bin_dir / "dagster-webserver"), "-w", "workspace.yaml", "-h", "127.0.0.1"]
+    procs = []
+    with logs.open("ab") as log:
+        for cmd in (
+            [*webserver, "-p", str(port)],
+            [str(bin_dir / "dagster-daemon"), "run", "-w", "workspace.yaml"],
+        ):
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=REPO_ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+    return procs
+
+
+def _wait_ready(
+    url: str, procs: list[subprocess.Popen[bytes]], logs: Path, timeout_s: float
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/server_info", timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError(
+                    f"Dagster services did not start; see {logs}:\n"
+                    + logs.read_text(errors="replace")[-2000:]
+                ) from None
+            time.sleep(1)
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], timeout_s: float = 60) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
