@@ -146,3 +146,18 @@ def test_every_job_runs_in_process_unless_the_setting_says_otherwise(
     monkeypatch.setenv("BACKFILL_RUN_EXECUTOR", "multiprocess")
     other = build_defs(load_specs()).resolve_implicit_global_asset_job_def()
     assert other.executor_def is dg.multiprocess_executor
+
+
+def test_loading_the_definitions_prints_no_framework_warnings() -> None:
+    """Every CLI command and run loads the code location: it must not print Dagster's beta
+    notice for the backfill policy once per asset (issue 29: 8 blocks per demo command)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-W", "default", "-c", "import backfill_assets.defs.definitions"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "Warning" not in done.stderr, done.stderr[-2000:]

@@ -7,6 +7,7 @@ and the column, and no Spark session is started.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import dagster as dg
@@ -48,7 +49,13 @@ def build_defs(specs: Sequence[TopicSpec]) -> dg.Definitions:
     specs = list(specs)
     assets: list[dg.AssetsDefinition | dg.AssetSpec] = [topic_asset(spec) for spec in specs]
     assets += [build_archive_asset(spec) for spec in specs]
-    assets += [asset for spec in specs for asset in build_topic_assets(spec, specs)]
+    with warnings.catch_warnings():
+        # A deliberate choice (assets.BACKFILL_POLICY), said once per asset by Dagster 1.13 on
+        # every load of the code location, CLI command and run: noise for an operator.
+        warnings.filterwarnings(
+            "ignore", message="Parameter `backfill_policy`", category=dg.BetaWarning
+        )
+        assets += [asset for spec in specs for asset in build_topic_assets(spec, specs)]
     sensors = [
         sensor
         for spec in specs
