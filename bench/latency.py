@@ -40,9 +40,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from backfill_assets_tests.support.services import dagster_services, free_port
-
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))  # the checkout's test support (not part of the package)
+from backfill_assets_tests.support.services import dagster_services, free_port  # noqa: E402
+
 HISTORY_START = datetime(2026, 6, 1, tzinfo=UTC)
 PARTITION_FMT = "%Y-%m-%d-%H:%M"
 GOAL_S = 30.0

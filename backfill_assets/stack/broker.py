@@ -25,9 +25,9 @@ from confluent_kafka.admin import AdminClient
 
 from backfill_assets.errors import BrokerError, JarResolutionError
 from backfill_assets.stack import jars
-from backfill_assets.stack.settings import REPO_ROOT, Settings, jaas_quote
+from backfill_assets.stack.settings import Settings, jaas_quote
 
-_LOG4J_CONFIG = REPO_ROOT / "infra" / "kafka" / "log4j2.properties"
+_LOG4J_CONFIG = Path(__file__).resolve().parent / "broker-log4j2.properties"
 _MAIN_CLASS = "kafka.Kafka"
 
 

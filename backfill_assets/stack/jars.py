@@ -1,9 +1,10 @@
 """Resolve the project's JVM artifacts from Maven Central into a git-ignored cache.
 
-Each artifact set is a pom under ``infra/maven/<set>/``. Resolution copies the set's runtime
-jars into ``<jar_cache>/<set>/``. It is atomic per set: jars are copied into a temporary
-directory that is renamed into place only after Maven succeeds, and a stamp holding the pom's
-hash is written last. A set whose stamp matches its pom is not resolved again.
+Each artifact set is a pom under ``backfill_assets/stack/maven/<set>/`` (package data).
+Resolution copies the set's runtime jars into ``<jar_cache>/<set>/``. It is atomic per set:
+jars are copied into a temporary directory that is renamed into place only after Maven
+succeeds, and a stamp holding the pom's hash is written last. A set whose stamp matches its
+pom is not resolved again.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import subprocess
 from pathlib import Path
 
 from backfill_assets.errors import JarResolutionError
-from backfill_assets.stack.settings import REPO_ROOT, Settings
+from backfill_assets.stack.settings import Settings
 
-MAVEN_DIR = REPO_ROOT / "infra" / "maven"
+MAVEN_DIR = Path(__file__).resolve().parent / "maven"
 JAR_SETS = ("kafka-broker", "spark")
 _STAMP = ".resolved-pom.sha256"
 

@@ -21,6 +21,13 @@ from typing import Literal
 from backfill_assets.errors import SettingsError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# State (broker data, catalog, jars, Dagster storage) lives in the checkout's .stack/ when the
+# package runs from a source checkout, else (a wheel install) in the user's home.
+DEFAULT_HOME = (
+    REPO_ROOT / ".stack"
+    if (REPO_ROOT / "pyproject.toml").is_file()
+    else Path.home() / ".backfill_assets"
+)
 
 CatalogKind = Literal["sql", "rest"]
 RunExecutor = Literal["in_process", "multiprocess"]
@@ -214,7 +221,7 @@ class Settings:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """Read settings from ``environ`` (default: the process environment)."""
         env = dict(os.environ if environ is None else environ)
-        home = Path(env.get("BACKFILL_HOME", str(REPO_ROOT / ".stack"))).resolve()
+        home = Path(env.get("BACKFILL_HOME", str(DEFAULT_HOME))).resolve()
         port = _int(env, "BACKFILL_KAFKA_PORT", 19092)
         controller_port = _int(env, "BACKFILL_KAFKA_CONTROLLER_PORT", port + 1)
         if controller_port == port:
@@ -362,7 +369,7 @@ _SPARK_CONF_OWNED = {
     "spark.executor.memory": "BACKFILL_SPARK_EXECUTOR_MEMORY",
     "spark.executor.cores": "BACKFILL_SPARK_EXECUTOR_CORES",
     "spark.sql.shuffle.partitions": "BACKFILL_SPARK_SHUFFLE_PARTITIONS",
-    "spark.jars": "BACKFILL_JAR_CACHE (infra/maven/spark/pom.xml)",
+    "spark.jars": "BACKFILL_JAR_CACHE (backfill_assets/stack/maven/spark/pom.xml)",
     "spark.sql.session.timeZone": "nothing: the project needs UTC",
     "spark.sql.extensions": "nothing: Iceberg's SQL extensions are required",
 }
