@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install everything the project needs on a fresh machine, idempotently:
-#   .venv with the pinned Python packages (re-installed only when pyproject.toml changes)
+#   .venv with the Python packages of requirements.lock (re-installed when it or pyproject.toml
+#   changes)
 #   JVM jars from Maven Central into .stack/jars (re-resolved only when a pom changes)
 #   the Spark driver's class-data-sharing archive in .stack/jars/cds (built once per jar set)
 #   the project's JVM functions (backfill_assets/stack/java), compiled into .stack/jars/udf
@@ -15,12 +16,20 @@ done
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-stamp=.venv/.installed-pyproject.sha256
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+# Packages come from requirements.lock (every version pinned; scripts/lock.sh makes it from
+# pyproject.toml), then the project itself without dependencies.
+stamp=.venv/.installed-lock.sha256
+want=$(cat pyproject.toml requirements.lock | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "bootstrap: installing Python packages into .venv"
+  echo "bootstrap: installing Python packages into .venv (requirements.lock)"
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[dev]"
+  .venv/bin/python -m pip install -q -r requirements.lock
+  .venv/bin/python -m pip install -q --no-deps -e .
+  .venv/bin/python -m pip check >/dev/null || {
+    echo "bootstrap: requirements.lock does not satisfy pyproject.toml; run scripts/lock.sh" >&2
+    .venv/bin/python -m pip check >&2
+    exit 1
+  }
   echo "$want" > "$stamp"
 fi
 
