@@ -127,45 +127,29 @@ def _audit_and_publish(
     context: AssetExecutionContext,
     iceberg: IcebergResource,
     session: Any,
-    table: str,
-    branch: wap.Branch,
-    results: list[checks.CheckOutcome],
-    summary: dict[str, str],
+    request: publish.PublishRequest,
     figures: dict[str, Any],
-    rebase: publish.Rebase,
-    ledger_offsets: dict[datetime, dict[int, tuple[int, int]]] | None = None,
-    ledger_records: dict[datetime, int] | None = None,
-    ledger_event_hours: dict[datetime, dict[datetime, int]] | None = None,
 ) -> Generator[dg.AssetCheckResult, None, Published]:
-    """:func:`backfill_assets.lake.publish.publish` in Dagster terms: on success nothing is
-    yielded (the caller attaches the returned check results to the materialization they
-    audited); when nothing was published, the check results are yielded and the run fails,
-    naming the figures. Returns main's new snapshot id, the table's total rows and the check
-    results."""
+    """:func:`backfill_assets.lake.publish.publish` in Dagster terms, with the run's own fields
+    added to the audit record: on success nothing is yielded (the caller attaches the returned
+    check results to the materialization they audited); when nothing was published, the check
+    results are yielded and the run fails, naming the figures. Returns main's new snapshot id,
+    the table's total rows and the check results."""
     window = context.partition_time_window
     tags = dict(context.run.tags)
-    request = publish.PublishRequest(
-        table=table,
-        branch=branch,
-        results=results,
-        window=(window.start, window.end),
-        record={
-            "table_name": table,
-            "run_id": context.run.run_id,
-            "backfill_id": tags.get("dagster/backfill"),
-            "launched_by": audit.launched_by(tags),
-            "window_start": window.start,
-            "window_end": window.end,
-            "offsets": summary.get("offsets"),
-            "started_at": figures.pop("started_at", None),
-            **figures,
-        },
-        summary=summary,
-        rebase=rebase,
-        ledger_offsets=ledger_offsets,
-        ledger_records=ledger_records,
-        ledger_event_hours=ledger_event_hours,
-    )
+    table = request.table
+    request.record = {
+        "table_name": table,
+        "run_id": context.run.run_id,
+        "backfill_id": tags.get("dagster/backfill"),
+        "launched_by": audit.launched_by(tags),
+        "window_start": window.start,
+        "window_end": window.end,
+        "offsets": request.summary.get("offsets"),
+        "started_at": figures.pop("started_at", None),
+        **request.record,
+        **figures,
+    }
     try:
         done = publish.publish(iceberg.client(), session, request, on_retry=context.log.info)
     except publish.NotPublished as exc:
@@ -337,40 +321,9 @@ def _replay_raw(
         began=began,
     )
     results = checks.run_checks(session, spec, outcome)
-    summary = {
-        **replay.audit_summary(outcome.contract, outcome.run_id),
-        "checksum": outcome.checksum,
-    }
-    assert outcome.contract.windows is not None
-    windows = outcome.contract.windows
-
-    def rebase(attempt: int) -> tuple[wap.Branch, list[checks.CheckOutcome]]:
-        outcome.branch = replay.reapply(session, outcome, attempt)
-        return outcome.branch, checks.run_checks(session, spec, outcome)
-
+    request = publish.raw_request(session, spec, outcome, results)
     snapshot, total_rows, evaluations = yield from _audit_and_publish(
-        context,
-        iceberg,
-        session,
-        table,
-        outcome.branch,
-        results,
-        summary,
-        {
-            "started_at": started,
-            "records_read": outcome.records_read,
-            "rows_written": outcome.rows_written,
-        },
-        rebase,
-        ledger_offsets={h: windows.hour_offsets(h) for h in windows.hours},
-        ledger_records={
-            h: sum(c.records for c in windows.cells[h].values()) for h in windows.hours
-        },
-        # for the late-data sensor, which reads these instead of the rows
-        ledger_event_hours={
-            datetime.fromisoformat(h): {datetime.fromisoformat(e): n for e, n in late.items()}
-            for h, late in outcome.event_hours.items()
-        },
+        context, iceberg, session, request, {"started_at": started}
     )
     rate = outcome.records_read / outcome.duration_s if outcome.duration_s else 0.0
     _partition_figures(
@@ -562,16 +515,17 @@ def _derive_body(
         "run-id": context.run.run_id,
         "window": f"{window.start.isoformat()}/{window.end.isoformat()}",
     }
+    request = publish.PublishRequest(
+        table=table,
+        branch=outcome.branch,
+        results=outcome.checks,
+        window=(window.start, window.end),
+        record={},
+        summary=summary,
+        rebase=rebase,
+    )
     snapshot, total_rows, evaluations = yield from _audit_and_publish(
-        context,
-        iceberg,
-        session,
-        table,
-        outcome.branch,
-        outcome.checks,
-        summary,
-        {"started_at": started},
-        rebase,
+        context, iceberg, session, request, {"started_at": started}
     )
     _partition_figures(
         context,

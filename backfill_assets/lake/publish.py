@@ -23,9 +23,10 @@ from datetime import datetime
 from typing import Any
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.lake import audit, ledger, wap
+from backfill_assets.lake import audit, checks, ledger, replay, wap, windows
 from backfill_assets.lake.checks import CheckOutcome
-from backfill_assets.lake.windows import hours_between
+from backfill_assets.lake.replay import ReplayOutcome
+from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.catalog import CatalogClient
 from backfill_assets.stack.faults import failpoint
 
@@ -92,6 +93,42 @@ class PublishRefused(NotPublished):
         self.error = error
 
 
+def raw_request(
+    session: Any, spec: TopicSpec, outcome: ReplayOutcome, results: list[CheckOutcome]
+) -> PublishRequest:
+    """What a raw run publishes: its branch and checks, the snapshot summary of its contract,
+    and the ledger rows of its windows (offsets, records, and the event hours each Kafka hour
+    held, which the late-data sensor reads instead of the rows). A rebase copies the run's
+    rows to a new branch from main and checks them again. ``record`` (the audit row's run
+    fields) is left to the caller."""
+    contract = outcome.contract
+    assert contract.windows is not None
+    cells = contract.windows
+
+    def rebase(attempt: int) -> tuple[wap.Branch, list[CheckOutcome]]:
+        outcome.branch = replay.reapply(session, outcome, attempt)
+        return outcome.branch, checks.run_checks(session, spec, outcome)
+
+    return PublishRequest(
+        table=outcome.branch.table,
+        branch=outcome.branch,
+        results=results,
+        window=(contract.start, contract.end),
+        record={"records_read": outcome.records_read, "rows_written": outcome.rows_written},
+        summary={
+            **replay.audit_summary(contract, outcome.run_id),
+            "checksum": outcome.checksum,
+        },
+        rebase=rebase,
+        ledger_offsets={h: cells.hour_offsets(h) for h in cells.hours},
+        ledger_records={h: sum(c.records for c in cells.cells[h].values()) for h in cells.hours},
+        ledger_event_hours={
+            datetime.fromisoformat(h): {datetime.fromisoformat(e): n for e, n in late.items()}
+            for h, late in outcome.event_hours.items()
+        },
+    )
+
+
 def publish(
     tables: CatalogClient,
     session: Any,
@@ -139,6 +176,7 @@ def _attempt(
         }
         failpoint("checks_passed")
         try:
+            _check_neighbours(tables, request)
             return branch, results, wap.publish(session, branch, summary, request.window), None
         except wap.MainMoved as exc:
             if attempt + 1 >= attempts:
@@ -153,6 +191,33 @@ def _attempt(
         except wap.PublishError as exc:
             return branch, results, None, exc
     return branch, results, None, None
+
+
+class NeighbourMoved(wap.PublishError):
+    """The run's offset windows no longer chain on the windows published beside them."""
+
+
+def _check_neighbours(tables: CatalogClient, request: PublishRequest) -> None:
+    """Right before each publish attempt (so also after a rebase): the run's windows, fixed
+    when it started, must still chain on the published windows beside them. A neighbour that
+    was published meanwhile fixed its own boundary (a producer's late clock can put an offset
+    on either side); publishing anyway would lose that offset or count it twice, and break the
+    chain for every later run. Publishes whose ledger rows a crash left out count too."""
+    if not request.ledger_offsets:
+        return
+    cat, namespace = tables.catalog(), tables.settings.catalog.namespace
+    ledger.sync_from_history(cat, namespace, request.table)
+    problems = windows.neighbour_mismatches(
+        request.ledger_offsets, ledger.published_offsets(cat, namespace, request.table)
+    )
+    if problems:
+        start, end = request.window
+        raise NeighbourMoved(
+            f"{request.table} {start.isoformat()}..{end.isoformat()}: the run's offset windows "
+            f"no longer fit the windows published beside them ({'; '.join(problems)}). "
+            "Nothing was published; run the same hours again: a new run chains on the "
+            "published windows (the gap sensor requests them by itself)."
+        )
 
 
 def _audit(
@@ -178,7 +243,7 @@ def _record_publish(tables: CatalogClient, request: PublishRequest, snapshot: in
         run_id=str(request.record.get("run_id")),
         snapshot_id=snapshot,
         sequence_number=int(seq.sequence_number or 0) if seq is not None else 0,
-        hours=hours_between(*request.window),
+        hours=windows.hours_between(*request.window),
         offsets=request.ledger_offsets,
         records=request.ledger_records,
         event_hours=request.ledger_event_hours,

@@ -574,6 +574,39 @@ def _check_chain(
             )
 
 
+def neighbour_mismatches(
+    mine: Mapping[datetime, Mapping[int, tuple[int, int]]],
+    published: Mapping[datetime, Mapping[int, tuple[int, int]]],
+) -> list[str]:
+    """Where windows ``mine`` (hour -> partition -> offsets) no longer chain on the windows
+    ``published`` now: an hour of ``mine`` that another run published with other offsets, or
+    whose published neighbour (the hour before or after the range) ends or starts elsewhere.
+    A partition absent from a published neighbour did not exist when it was sealed: its chain
+    starts at 0 after it, and holds nothing before it. Empty when everything chains."""
+    out = []
+    for hour, cells in sorted(mine.items()):
+        theirs = published.get(hour)
+        if theirs is not None and any(cells.get(p, v) != v for p, v in theirs.items()):
+            out.append(f"hour {hour.isoformat()} is published as {dict(theirs)}, not {dict(cells)}")
+        before, after = published.get(hour - HOUR), published.get(hour + HOUR)
+        for p, (start, end) in sorted(cells.items()):
+            if hour - HOUR not in mine and before is not None:
+                chained = before[p][1] if p in before else 0
+                if start != chained:
+                    out.append(
+                        f"partition {p}: hour {hour.isoformat()} starts at offset {start}, but "
+                        f"the published hour before it ends at {chained}"
+                    )
+            if hour + HOUR not in mine and after is not None:
+                chained = after[p][0] if p in after else 0
+                if end != chained:
+                    out.append(
+                        f"partition {p}: hour {hour.isoformat()} ends at offset {end}, but the "
+                        f"published hour after it starts at {chained}"
+                    )
+    return out
+
+
 def _ms(moment: datetime) -> int:
     if moment.tzinfo is None:
         raise ValueError(f"{moment!r} has no time zone; pass aware UTC datetimes")
