@@ -1,6 +1,7 @@
 """A wheel of the project works outside the checkout: its data files travel with it.
 
-The wheel is built from this checkout (pip, with build isolation: setuptools comes from PyPI)
+The wheel is built from a copy of this checkout (pip, with build isolation: setuptools comes
+from PyPI)
 and unpacked into a temporary directory; a child process imports it from there, with the
 checkout neither on its path nor its working directory, and with its own HOME.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -39,9 +41,19 @@ print(json.dumps({
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    out, src = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("src")
+    # Built from a copy of what git tracks: setuptools writes build/ beside the sources.
+    tracked = subprocess.run(
+        ["git", "ls-files", "-z", "pyproject.toml", "README.md", "LICENSE", "backfill_assets"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, tracked.split("\0")):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO_ROOT / name, src / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(REPO_ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(src)],
         check=True,
         capture_output=True,
         timeout=300,
