@@ -35,20 +35,12 @@ from backfill_assets.lake import checks
 from backfill_assets.lake.checks import CheckOutcome
 from backfill_assets.lake.wap import Branch, open_branch
 from backfill_assets.spec import declared
-from backfill_assets.spec.model import EVENT_META_COLUMNS, TableSpec, TopicSpec
+from backfill_assets.spec.model import EVENT_META_COLUMNS, SPARK_TYPES, TableSpec, TopicSpec
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
 
 CURRENT_CHECKS = ("uniqueness", "source_applied", "schema_contract")
-_SPARK_TYPE = {
-    "string": "string",
-    "bigint": "bigint",
-    "int": "int",
-    "double": "double",
-    "boolean": "boolean",
-    "timestamp": "timestamp",
-}
 
 
 def declared_checks(table: TableSpec) -> tuple[str, ...]:
@@ -196,7 +188,7 @@ def build_declared(
 
     full = sources.table_name(table.name)
     known = declared.relations(list(sources.specs.values()))
-    cols = ", ".join(f"{c.name} {_SPARK_TYPE[c.type]}" for c in table.columns)
+    cols = ", ".join(f"{c.name} {SPARK_TYPES[c.type]}" for c in table.columns)
     spark.sql(
         f"CREATE TABLE IF NOT EXISTS {full} ({cols}) USING iceberg "
         # Hour partitions align with the overwrite window, so re-running any hour range
@@ -221,7 +213,7 @@ def build_declared(
             frame.createOrReplaceTempView(ref)
             views.append(ref)
         result = spark.sql(declared.render(table.sql, start, end)).select(
-            *[F.col(c.name).cast(_SPARK_TYPE[c.type]).alias(c.name) for c in table.columns]
+            *[F.col(c.name).cast(SPARK_TYPES[c.type]).alias(c.name) for c in table.columns]
         )
         ts = F.col(table.event_time)
         window = (ts >= _ts(start)) & (ts < _ts(end))
@@ -376,7 +368,7 @@ def _with_outside(
 def _same_layout(spark: SparkSession, full: str, table: TableSpec) -> None:
     """Refuse to write when the existing table's columns are not the declared ones."""
     have = {f.name: f.dataType.simpleString() for f in spark.table(full).schema.fields}
-    want = {c.name: _SPARK_TYPE[c.type] for c in table.columns}
+    want = {c.name: SPARK_TYPES[c.type] for c in table.columns}
     if have != want:
         raise ValueError(
             f"table {full} has columns {have} but {table.name} declares {want}; a declared "

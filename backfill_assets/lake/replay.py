@@ -34,7 +34,7 @@ from backfill_assets.lake import ledger
 from backfill_assets.lake.archive import Archive
 from backfill_assets.lake.wap import SUMMARY_PREFIX, Branch, open_branch, ref_sql
 from backfill_assets.lake.windows import Windows, scan
-from backfill_assets.spec.model import TopicSpec
+from backfill_assets.spec.model import SPARK_TYPES, TopicSpec
 from backfill_assets.stack import faults
 
 if TYPE_CHECKING:
@@ -45,14 +45,6 @@ if TYPE_CHECKING:
     from backfill_assets.stack.kafka import KafkaClient
     from backfill_assets.stack.settings import Settings
 
-_SPARK_TYPES = {
-    "string": "string",
-    "bigint": "bigint",
-    "int": "int",
-    "double": "double",
-    "boolean": "boolean",
-    "timestamp": "timestamp",
-}
 KAFKA_COLUMNS = (
     ("topic", "string"),
     ("kafka_partition", "int"),
@@ -224,7 +216,7 @@ def branch_write_stats(spark: SparkSession, branch: Branch) -> dict[str, int]:
 
 def table_ddl(spec: TopicSpec, spark_name: str) -> str:
     cols = [f"{name} {ctype}" for name, ctype in KAFKA_COLUMNS]
-    cols += [f"{c.name} {_SPARK_TYPES[c.type]}" for c in spec.columns]
+    cols += [f"{c.name} {SPARK_TYPES[c.type]}" for c in spec.columns]
     cols.append("ingest_run_id string")
     return (
         f"CREATE TABLE IF NOT EXISTS {spark_name} ({', '.join(cols)}) USING iceberg "
@@ -463,7 +455,7 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
                 )
             assert case is not None
             expr = case
-        typed.append(expr.cast(_SPARK_TYPES[col.type]).alias(col.name))
+        typed.append(expr.cast(SPARK_TYPES[col.type]).alias(col.name))
     col_names = [c.name for c in spec.columns]
     df = df.select(*kafka_cols, "_j", "_v", "schema_version", "_object", *typed)
     # The key stands in for a key field the payload lacks (tombstones), if it is UTF-8 text.

@@ -16,12 +16,11 @@ import dagster as dg
 from confluent_kafka import Consumer, TopicPartition
 
 from backfill_assets.defs.assets import BACKFILL_POLICY, raw_asset_key, table_asset_key
-from backfill_assets.lake import ledger
 from backfill_assets.lake.archive import Archive
-from backfill_assets.lake.replay import OffsetContract, offset_contract
+from backfill_assets.lake.replay import OffsetContract, window_contract
 from backfill_assets.lake.windows import WindowError, WindowNotSealed
 from backfill_assets.spec.model import TopicSpec
-from backfill_assets.stack import catalog
+from backfill_assets.stack.catalog import CatalogClient
 from backfill_assets.stack.kafka import KafkaClient
 
 SAMPLE_RECORDS = 2000
@@ -189,20 +188,14 @@ def make_plan(
 ) -> Plan:
     partitions = int((end - start) / timedelta(hours=1))
     settings = kafka.settings
-    published = ledger.published_offsets(
-        catalog.load(settings.catalog),
-        settings.catalog.namespace,
-        f"{settings.catalog.name}.{settings.catalog.namespace}.{spec.raw_table}",
-    )
     try:
-        contract = offset_contract(
-            kafka,
-            spec.topic,
-            start,
-            end,
-            archive=Archive(settings),
-            published=published,
-            seal_grace=timedelta(seconds=settings.seal_grace_s),
+        contract = window_contract(
+            settings=settings,
+            kafka=kafka,
+            iceberg=CatalogClient(settings),
+            spec=spec,
+            start=start,
+            end=end,
         )
     except (WindowError, WindowNotSealed) as err:
         missing_ranges = err.missing if isinstance(err, WindowError) else {}
@@ -214,26 +207,10 @@ def make_plan(
     ratios = [h["write_ratio"] for h in per_run_history if h["write_ratio"]]
     ratio = statistics.median(ratios) if ratios else DEFAULT_WRITE_RATIO
     runs = max(1, math.ceil(partitions / BACKFILL_POLICY.max_partitions_per_run))  # type: ignore[operator]
-    declared_tables = [key for keys, _, _ in backfill_ranges(spec, start, end)[1:] for key in keys]
-    # The declared tables' runs (one run may hold several of them: each run counts once).
-    declared_runs = {
-        run_id: h["wall_s"]
-        for key in declared_tables
-        for run_id, h in (_history(instance, key).items() if instance is not None else [])
-    }
-    declared_walls = list(declared_runs.values())[:20]
-    estimate = predict(
-        daemon_pass=_daemon_pass(instance) if instance is not None else None,
-        now=time.time(),
-        records=contract.records,
-        partitions=partitions,
-        runs=runs,
-        concurrency=concurrency,
-        history=[(h["records"], h["wall_s"]) for h in per_run_history],
-        sample_rate=sample["rate"],
-        declared_tables=len(declared_tables),
-        declared_walls=declared_walls,
-    )
+    estimate = _estimate(
+        spec, start, end, instance, contract.records, partitions, runs, concurrency,
+        per_run_history, sample["rate"],
+    )  # fmt: skip
     overhead, rate, source = estimate.overhead_s, estimate.rate, estimate.source
     predicted = estimate.total_s
     est_bytes = int(sample["avg_bytes"] * contract.records)
@@ -273,6 +250,40 @@ def make_plan(
     )
     plan.scorecard = _scorecard(plan, spec, end)
     return plan
+
+
+def _estimate(
+    spec: TopicSpec,
+    start: datetime,
+    end: datetime,
+    instance: dg.DagsterInstance | None,
+    records: int,
+    partitions: int,
+    runs: int,
+    concurrency: int,
+    per_run_history: list[dict[str, Any]],
+    sample_rate: float,
+) -> Estimate:
+    """:func:`predict` fed from the instance's history of the raw and declared tables' runs."""
+    declared_tables = [key for keys, _, _ in backfill_ranges(spec, start, end)[1:] for key in keys]
+    # The declared tables' runs (one run may hold several of them: each run counts once).
+    declared_runs = {
+        run_id: h["wall_s"]
+        for key in declared_tables
+        for run_id, h in (_history(instance, key).items() if instance is not None else [])
+    }
+    return predict(
+        daemon_pass=_daemon_pass(instance) if instance is not None else None,
+        now=time.time(),
+        records=records,
+        partitions=partitions,
+        runs=runs,
+        concurrency=concurrency,
+        history=[(h["records"], h["wall_s"]) for h in per_run_history],
+        sample_rate=sample_rate,
+        declared_tables=len(declared_tables),
+        declared_walls=list(declared_runs.values())[:20],
+    )
 
 
 @dataclass

@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 SPEC_PATH = Path(__file__).resolve().parent / "topics.yaml"
 ColumnType = Literal["string", "bigint", "int", "double", "boolean", "timestamp"]
 COLUMN_TYPES: tuple[str, ...] = get_args(ColumnType)
+# The Spark SQL type of each column type (the names happen to agree; this is the one place
+# that says so).
+SPARK_TYPES: dict[str, str] = {t: t for t in COLUMN_TYPES}
 # Kafka's own default limit for one record batch (message.max.bytes) is about 1 MiB.
 DEFAULT_MAX_RECORD_BYTES = 1_048_576
 Upcaster = Callable[["Column"], dict[str, "Column"]]
