@@ -161,3 +161,21 @@ def test_loading_the_definitions_prints_no_framework_warnings() -> None:
         check=True,
     )
     assert "Warning" not in done.stderr, done.stderr[-2000:]
+
+
+def test_every_asset_has_a_code_version_from_its_definition() -> None:
+    from backfill_assets.defs.definitions import SPECS
+    from backfill_assets.lake.archive import layout_version
+    from backfill_assets.spec import versions
+
+    spec = SPECS[0]
+    graph = defs.resolve_asset_graph()
+    expected = {
+        RAW: versions.raw_version(spec),
+        CURRENT: versions.current_version(spec),
+        HOURLY: versions.declared_version(spec.tables[0]),
+        LARGE: versions.declared_version(spec.tables[1]),
+        ARCHIVE: layout_version(spec.topic),
+    }
+    assert {key: graph.get(key).code_version for key in expected} == expected
+    assert len(set(expected.values())) == len(expected)

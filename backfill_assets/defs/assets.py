@@ -17,7 +17,7 @@ from backfill_assets.defs.partitions import kafka_hours
 from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
 from backfill_assets.errors import KafkaClientError
 from backfill_assets.lake import audit, checks, derived, publish, replay, wap
-from backfill_assets.spec import declared
+from backfill_assets.spec import declared, versions
 from backfill_assets.spec.model import CURRENT_META_COLUMNS, ColumnSpec, TableSpec, TopicSpec
 
 # One run covers up to a week of hourly partitions: a 30-day backfill starts 5 runs (5 Spark
@@ -265,6 +265,7 @@ def build_raw_asset(spec: TopicSpec) -> dg.AssetsDefinition:
         backfill_policy=BACKFILL_POLICY,
         group_name="raw",
         kinds={"kafka", "spark", "iceberg"},
+        code_version=versions.raw_version(spec),
         pool=POOL,
         # Read from Kafka, or from the archive for offsets Kafka no longer holds.
         deps=[topics.topic_asset_key(spec), archive_asset_key(spec)],
@@ -403,6 +404,7 @@ def build_declared_asset(
         backfill_policy=BACKFILL_POLICY,
         group_name="lakehouse",
         kinds={"spark", "iceberg"},
+        code_version=versions.declared_version(table),
         pool=POOL,
         deps=table_deps(table, known),
         check_specs=_check_specs(key, derived.declared_checks(table), derived.DESCRIPTIONS),
@@ -444,6 +446,7 @@ def build_current_asset(spec: TopicSpec) -> dg.AssetsDefinition:
         backfill_policy=BACKFILL_POLICY,
         group_name="lakehouse",
         kinds={"spark", "iceberg"},
+        code_version=versions.current_version(spec),
         pool=POOL,
         deps=[raw_asset_key(spec)],
         check_specs=_check_specs(key, derived.CURRENT_CHECKS, derived.DESCRIPTIONS),
