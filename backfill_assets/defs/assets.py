@@ -19,6 +19,7 @@ from backfill_assets.errors import KafkaClientError
 from backfill_assets.lake import audit, checks, derived, publish, replay, wap
 from backfill_assets.spec import declared, versions
 from backfill_assets.spec.model import CURRENT_META_COLUMNS, ColumnSpec, TableSpec, TopicSpec
+from backfill_assets.stack.catalog import CatalogClient
 
 # One run covers up to a week of hourly partitions: a 30-day backfill starts 5 runs (5 Spark
 # sessions and 5 branches), not 720. A week is also the retry unit: a failed run re-reads at
@@ -76,6 +77,11 @@ def _column(name: str, ctype: str, column: ColumnSpec | None = None) -> dg.Table
 def column_schema(columns: Sequence[dg.TableColumn]) -> dict[str, Any]:
     """Definition metadata ``dagster/column_schema`` (the UI's Columns tab)."""
     return {"dagster/column_schema": dg.TableSchema(columns=list(columns))}
+
+
+def table_name(table: str) -> str:
+    """``<catalog>.<namespace>.<table>`` from the settings, as Spark SQL names it."""
+    return CatalogClient().spark_name(table)
 
 
 def raw_columns(spec: TopicSpec) -> list[dg.TableColumn]:
@@ -273,6 +279,8 @@ def build_raw_asset(spec: TopicSpec) -> dg.AssetsDefinition:
         metadata={
             "table": spec.raw_table,
             "quarantine_table": spec.quarantine_table,
+            "dagster/table_name": table_name(spec.raw_table),
+            "quarantine_table_name": table_name(spec.quarantine_table),
             **column_schema(raw_columns(spec)),
         },
     )
@@ -410,6 +418,7 @@ def build_declared_asset(
         check_specs=_check_specs(key, derived.declared_checks(table), derived.DESCRIPTIONS),
         metadata={
             "table": table.name,
+            "dagster/table_name": table_name(table.name),
             "partitioned_by": f"event time ({table.event_time})",
             "grain": ", ".join(table.grain),
             "sql": dg.MetadataValue.md(f"```sql\n{table.sql.strip()}\n```"),
@@ -452,6 +461,7 @@ def build_current_asset(spec: TopicSpec) -> dg.AssetsDefinition:
         check_specs=_check_specs(key, derived.CURRENT_CHECKS, derived.DESCRIPTIONS),
         metadata={
             "table": derived.current_table(spec),
+            "dagster/table_name": table_name(derived.current_table(spec)),
             "partitioned_by": "Kafka time",
             **column_schema(current_columns(spec)),
         },
