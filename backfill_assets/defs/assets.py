@@ -397,12 +397,23 @@ def table_deps(table: TableSpec, known: dict[str, declared.Relation]) -> list[dg
     return deps
 
 
+def column_lineage(table: TableSpec, known: dict[str, declared.Relation]) -> dict[str, Any]:
+    """Definition metadata ``dagster/column_lineage``: per output column, the columns of the
+    assets it is computed from (:func:`backfill_assets.spec.declared.column_lineage`)."""
+    deps = {
+        column: [dg.TableColumnDep(relation_asset_key(known[rel]), name) for rel, name in pairs]
+        for column, pairs in declared.column_lineage(table, known).items()
+    }
+    return {"dagster/column_lineage": dg.TableColumnLineage(deps_by_column=deps)}
+
+
 def build_declared_asset(
     spec: TopicSpec, table: TableSpec, specs: Sequence[TopicSpec]
 ) -> dg.AssetsDefinition:
     key = table_asset_key(table.name)
     known = declared.relations(list(specs))
     by_topic = {s.topic: s for s in specs}
+    lineage = column_lineage(table, known)
 
     @dg.asset(
         key=key,
@@ -423,6 +434,7 @@ def build_declared_asset(
             "grain": ", ".join(table.grain),
             "sql": dg.MetadataValue.md(f"```sql\n{table.sql.strip()}\n```"),
             **column_schema([_column(c.name, c.type, c) for c in table.columns]),
+            **lineage,
         },
     )
     def _declared(
@@ -440,7 +452,7 @@ def build_declared_asset(
                 attempt,
             )
 
-        yield from _derive(context, spark, iceberg, iceberg.spark_name(table.name), build)
+        yield from _derive(context, spark, iceberg, iceberg.spark_name(table.name), build, lineage)
 
     return _declared
 
@@ -495,9 +507,12 @@ def _derive(
     iceberg: IcebergResource,
     table: str,
     run: Callable[[int], derived.DerivedOutcome],
+    metadata: dict[str, Any] | None = None,
 ) -> Iterator[Any]:
+    """``metadata``: definition metadata each materialization repeats (the UI reads column
+    lineage from the latest materialization)."""
     with _audit_failures(context, iceberg, table):
-        yield from _derive_body(context, spark, iceberg, table, run)
+        yield from _derive_body(context, spark, iceberg, table, run, metadata or {})
 
 
 def _derive_body(
@@ -506,6 +521,7 @@ def _derive_body(
     iceberg: IcebergResource,
     table: str,
     run: Callable[[int], derived.DerivedOutcome],
+    metadata: dict[str, Any],
 ) -> Iterator[Any]:
     window = context.partition_time_window
     started = datetime.now(UTC)
@@ -550,6 +566,7 @@ def _derive_body(
             "run": dg.MetadataValue.json(outcome.metadata),
             "snapshot_id": str(snapshot),
             **_table_rows(total_rows),
+            **metadata,
         },
         check_results=evaluations,
     )
