@@ -8,6 +8,7 @@ import pytest
 
 from backfill_assets.defs.definitions import build_defs, defs
 from backfill_assets.spec.loader import load_specs
+from backfill_assets.stack.settings import Settings
 
 RAW = dg.AssetKey(["raw", "orders"])
 HOURLY = dg.AssetKey(["lakehouse", "orders_hourly"])
@@ -161,3 +162,48 @@ def test_loading_the_definitions_prints_no_framework_warnings() -> None:
         check=True,
     )
     assert "Warning" not in done.stderr, done.stderr[-2000:]
+
+
+def test_every_asset_has_a_code_version_from_its_definition() -> None:
+    from backfill_assets.defs.definitions import SPECS
+    from backfill_assets.lake.archive import layout_version
+    from backfill_assets.spec import versions
+
+    spec = SPECS[0]
+    graph = defs.resolve_asset_graph()
+    expected = {
+        RAW: versions.raw_version(spec),
+        CURRENT: versions.current_version(spec),
+        HOURLY: versions.declared_version(spec.tables[0]),
+        LARGE: versions.declared_version(spec.tables[1]),
+        ARCHIVE: layout_version(spec.topic),
+    }
+    assert {key: graph.get(key).code_version for key in expected} == expected
+    assert len(set(expected.values())) == len(expected)
+
+
+def test_every_table_asset_names_its_table_in_the_catalog(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``dagster/table_name`` is ``<catalog>.<namespace>.<table>`` from the settings."""
+    cfg = Settings.from_env().catalog
+    graph = defs.resolve_asset_graph()
+    assert graph.get(RAW).metadata["dagster/table_name"] == f"{cfg.name}.{cfg.namespace}.raw_orders"
+    assert (
+        graph.get(RAW).metadata["quarantine_table_name"]
+        == f"{cfg.name}.{cfg.namespace}.orders_quarantine"
+    )
+    monkeypatch.setenv("BACKFILL_CATALOG_NAME", "prod")
+    monkeypatch.setenv("BACKFILL_NAMESPACE", "orders_ns")
+    other = build_defs(load_specs()).resolve_asset_graph()
+    names = {
+        key: other.get(key).metadata.get("dagster/table_name")
+        for key in (RAW, CURRENT, HOURLY, LARGE)
+    }
+    assert names == {
+        RAW: "prod.orders_ns.raw_orders",
+        CURRENT: "prod.orders_ns.orders_current",
+        HOURLY: "prod.orders_ns.orders_hourly",
+        LARGE: "prod.orders_ns.orders_large_paid",
+    }
+    assert "dagster/table_name" not in other.get(ARCHIVE).metadata  # Parquet files, no table

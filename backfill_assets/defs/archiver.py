@@ -10,6 +10,7 @@ import dagster as dg
 from backfill_assets.defs.resources import IcebergResource, KafkaResource
 from backfill_assets.defs.topics import topic_asset_key
 from backfill_assets.lake import audit
+from backfill_assets.lake.archive import layout_version
 from backfill_assets.lake.archiver import run_archiver
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
@@ -32,6 +33,7 @@ def build_archive_asset(spec: TopicSpec) -> dg.AssetsDefinition:
         ),
         group_name="archive",
         kinds={"kafka", "parquet"},
+        code_version=layout_version(spec.topic),
         pool="archive",
         deps=[topic_asset_key(spec)],
     )

@@ -17,8 +17,9 @@ from backfill_assets.defs.partitions import kafka_hours
 from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
 from backfill_assets.errors import KafkaClientError
 from backfill_assets.lake import audit, checks, derived, publish, replay, wap
-from backfill_assets.spec import declared
+from backfill_assets.spec import declared, versions
 from backfill_assets.spec.model import CURRENT_META_COLUMNS, ColumnSpec, TableSpec, TopicSpec
+from backfill_assets.stack.catalog import CatalogClient
 
 # One run covers up to a week of hourly partitions: a 30-day backfill starts 5 runs (5 Spark
 # sessions and 5 branches), not 720. A week is also the retry unit: a failed run re-reads at
@@ -76,6 +77,11 @@ def _column(name: str, ctype: str, column: ColumnSpec | None = None) -> dg.Table
 def column_schema(columns: Sequence[dg.TableColumn]) -> dict[str, Any]:
     """Definition metadata ``dagster/column_schema`` (the UI's Columns tab)."""
     return {"dagster/column_schema": dg.TableSchema(columns=list(columns))}
+
+
+def table_name(table: str) -> str:
+    """``<catalog>.<namespace>.<table>`` from the settings, as Spark SQL names it."""
+    return CatalogClient().spark_name(table)
 
 
 def raw_columns(spec: TopicSpec) -> list[dg.TableColumn]:
@@ -265,6 +271,7 @@ def build_raw_asset(spec: TopicSpec) -> dg.AssetsDefinition:
         backfill_policy=BACKFILL_POLICY,
         group_name="raw",
         kinds={"kafka", "spark", "iceberg"},
+        code_version=versions.raw_version(spec),
         pool=POOL,
         # Read from Kafka, or from the archive for offsets Kafka no longer holds.
         deps=[topics.topic_asset_key(spec), archive_asset_key(spec)],
@@ -272,6 +279,8 @@ def build_raw_asset(spec: TopicSpec) -> dg.AssetsDefinition:
         metadata={
             "table": spec.raw_table,
             "quarantine_table": spec.quarantine_table,
+            "dagster/table_name": table_name(spec.raw_table),
+            "quarantine_table_name": table_name(spec.quarantine_table),
             **column_schema(raw_columns(spec)),
         },
     )
@@ -388,12 +397,23 @@ def table_deps(table: TableSpec, known: dict[str, declared.Relation]) -> list[dg
     return deps
 
 
+def column_lineage(table: TableSpec, known: dict[str, declared.Relation]) -> dict[str, Any]:
+    """Definition metadata ``dagster/column_lineage``: per output column, the columns of the
+    assets it is computed from (:func:`backfill_assets.spec.declared.column_lineage`)."""
+    deps = {
+        column: [dg.TableColumnDep(relation_asset_key(known[rel]), name) for rel, name in pairs]
+        for column, pairs in declared.column_lineage(table, known).items()
+    }
+    return {"dagster/column_lineage": dg.TableColumnLineage(deps_by_column=deps)}
+
+
 def build_declared_asset(
     spec: TopicSpec, table: TableSpec, specs: Sequence[TopicSpec]
 ) -> dg.AssetsDefinition:
     key = table_asset_key(table.name)
     known = declared.relations(list(specs))
     by_topic = {s.topic: s for s in specs}
+    lineage = column_lineage(table, known)
 
     @dg.asset(
         key=key,
@@ -403,15 +423,18 @@ def build_declared_asset(
         backfill_policy=BACKFILL_POLICY,
         group_name="lakehouse",
         kinds={"spark", "iceberg"},
+        code_version=versions.declared_version(table),
         pool=POOL,
         deps=table_deps(table, known),
         check_specs=_check_specs(key, derived.declared_checks(table), derived.DESCRIPTIONS),
         metadata={
             "table": table.name,
+            "dagster/table_name": table_name(table.name),
             "partitioned_by": f"event time ({table.event_time})",
             "grain": ", ".join(table.grain),
             "sql": dg.MetadataValue.md(f"```sql\n{table.sql.strip()}\n```"),
             **column_schema([_column(c.name, c.type, c) for c in table.columns]),
+            **lineage,
         },
     )
     def _declared(
@@ -429,7 +452,7 @@ def build_declared_asset(
                 attempt,
             )
 
-        yield from _derive(context, spark, iceberg, iceberg.spark_name(table.name), build)
+        yield from _derive(context, spark, iceberg, iceberg.spark_name(table.name), build, lineage)
 
     return _declared
 
@@ -444,11 +467,13 @@ def build_current_asset(spec: TopicSpec) -> dg.AssetsDefinition:
         backfill_policy=BACKFILL_POLICY,
         group_name="lakehouse",
         kinds={"spark", "iceberg"},
+        code_version=versions.current_version(spec),
         pool=POOL,
         deps=[raw_asset_key(spec)],
         check_specs=_check_specs(key, derived.CURRENT_CHECKS, derived.DESCRIPTIONS),
         metadata={
             "table": derived.current_table(spec),
+            "dagster/table_name": table_name(derived.current_table(spec)),
             "partitioned_by": "Kafka time",
             **column_schema(current_columns(spec)),
         },
@@ -482,9 +507,12 @@ def _derive(
     iceberg: IcebergResource,
     table: str,
     run: Callable[[int], derived.DerivedOutcome],
+    metadata: dict[str, Any] | None = None,
 ) -> Iterator[Any]:
+    """``metadata``: definition metadata each materialization repeats (the UI reads column
+    lineage from the latest materialization)."""
     with _audit_failures(context, iceberg, table):
-        yield from _derive_body(context, spark, iceberg, table, run)
+        yield from _derive_body(context, spark, iceberg, table, run, metadata or {})
 
 
 def _derive_body(
@@ -493,6 +521,7 @@ def _derive_body(
     iceberg: IcebergResource,
     table: str,
     run: Callable[[int], derived.DerivedOutcome],
+    metadata: dict[str, Any],
 ) -> Iterator[Any]:
     window = context.partition_time_window
     started = datetime.now(UTC)
@@ -537,6 +566,7 @@ def _derive_body(
             "run": dg.MetadataValue.json(outcome.metadata),
             "snapshot_id": str(snapshot),
             **_table_rows(total_rows),
+            **metadata,
         },
         check_results=evaluations,
     )

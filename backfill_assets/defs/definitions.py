@@ -8,7 +8,7 @@ and the column, and no Spark session is started.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import dagster as dg
 
@@ -20,13 +20,40 @@ from backfill_assets.defs.sensors import build_gap_sensor, build_late_data_senso
 from backfill_assets.defs.topics import build_topic_observer, topic_asset
 from backfill_assets.spec.loader import load_specs
 from backfill_assets.spec.model import TopicSpec
-from backfill_assets.stack.settings import Settings
+from backfill_assets.stack.settings import Settings, secrets_set
 
-RESOURCES: dict[str, object] = {
-    "kafka": KafkaResource(),
-    "spark": SparkResource(),
-    "iceberg": IcebergResource(),
-}
+
+def build_resources(environ: Mapping[str, str] | None = None) -> dict[str, object]:
+    """The resources, each secret a ``dg.EnvVar`` when its variable is set in ``environ``
+    (default: the process environment): the Dagster UI shows the variable's name, never its
+    value, and the run resolves it. An unset variable stays None, so nothing requires it."""
+    present = secrets_set(environ)
+
+    def secret(name: str) -> str | None:
+        return dg.EnvVar(name) if name in present else None
+
+    jdbc_password = secret("BACKFILL_CATALOG_JDBC_PASSWORD")
+    s3_key_id, s3_secret = secret("AWS_ACCESS_KEY_ID"), secret("AWS_SECRET_ACCESS_KEY")
+    return {
+        "kafka": KafkaResource(
+            sasl_password=secret("BACKFILL_KAFKA_SASL_PASSWORD"),
+            s3_access_key_id=s3_key_id,
+            s3_secret_access_key=s3_secret,
+        ),
+        "spark": SparkResource(
+            catalog_jdbc_password=jdbc_password,
+            s3_access_key_id=s3_key_id,
+            s3_secret_access_key=s3_secret,
+        ),
+        "iceberg": IcebergResource(
+            catalog_jdbc_password=jdbc_password,
+            s3_access_key_id=s3_key_id,
+            s3_secret_access_key=s3_secret,
+        ),
+    }
+
+
+RESOURCES: dict[str, object] = build_resources()
 
 
 def run_executor() -> dg.ExecutorDefinition:
@@ -71,7 +98,7 @@ def build_defs(specs: Sequence[TopicSpec]) -> dg.Definitions:
         sensors=sensors,
         schedules=[build_archive_schedule(spec) for spec in specs] + maintenance_schedules,
         jobs=maintenance_jobs,
-        resources=RESOURCES,
+        resources=build_resources(),
         executor=run_executor(),
     )
 

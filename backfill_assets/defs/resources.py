@@ -2,7 +2,11 @@
 (Kafka metadata/offsets, the Spark session, the Iceberg catalog).
 
 All three read :class:`~backfill_assets.stack.settings.Settings` from the environment when a run
-starts, so no connection detail or secret ever lands in run config or the Dagster UI.
+starts. Secrets are also resource config: optional fields that
+:func:`backfill_assets.defs.definitions.build_resources` sets to a ``dg.EnvVar`` when the
+variable is set, so the Dagster UI shows the variable's name, never its value; the value goes
+into the settings the clients use (:meth:`Settings.with_secrets`). Unset, the settings read
+the environment as before.
 """
 
 from __future__ import annotations
@@ -21,6 +25,24 @@ from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import Settings
 
 
+def _secret(variable: str) -> Any:
+    """An optional secret field: None unless set (to ``dg.EnvVar(variable)``); never shown in
+    the resource's repr."""
+    return Field(
+        default=None,
+        repr=False,
+        description=f"secret: set to EnvVar({variable!r}) when that variable is set",
+    )
+
+
+def _settings(**secrets: str | None) -> Settings | None:
+    """The environment's settings with the secrets configured on a resource, or None (the
+    client then reads the environment at each call, as before) when none is."""
+    if all(value is None for value in secrets.values()):
+        return None
+    return Settings.from_env().with_secrets(**secrets)
+
+
 class SparkResource(PySparkResource):
     """dagster-pyspark's session resource, configured from the settings module.
 
@@ -31,6 +53,10 @@ class SparkResource(PySparkResource):
     """
 
     spark_config: dict[str, Any] = Field(default_factory=dict)
+    # The catalog's secrets, for Spark's Iceberg catalog (see IcebergResource).
+    catalog_jdbc_password: str | None = _secret("BACKFILL_CATALOG_JDBC_PASSWORD")
+    s3_access_key_id: str | None = _secret("AWS_ACCESS_KEY_ID")
+    s3_secret_access_key: str | None = _secret("AWS_SECRET_ACCESS_KEY")
     _starting: Future[Any] | None = PrivateAttr(default=None)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
@@ -39,7 +65,12 @@ class SparkResource(PySparkResource):
         fresh run process. The first use of :attr:`spark_session` waits for it and raises
         its error, if any."""
         pool = ThreadPoolExecutor(1, thread_name_prefix="spark-session")
-        self._starting = pool.submit(spark.get_session, Settings.from_env(), self.spark_config)
+        settings = Settings.from_env().with_secrets(
+            catalog_jdbc_password=self.catalog_jdbc_password,
+            s3_access_key_id=self.s3_access_key_id,
+            s3_secret_access_key=self.s3_secret_access_key,
+        )
+        self._starting = pool.submit(spark.get_session, settings, self.spark_config)
         pool.shutdown(wait=False)
 
     @property
@@ -53,21 +84,42 @@ class KafkaResource(dg.ConfigurableResource):  # type: ignore[type-arg]
     """Kafka metadata and offset look-ups (:class:`~backfill_assets.stack.kafka.KafkaClient`)."""
 
     request_timeout_s: float = 30.0
+    sasl_password: str | None = _secret("BACKFILL_KAFKA_SASL_PASSWORD")
+    # The archive's object storage (BACKFILL_ARCHIVE_URI=s3://...), reached with the client's
+    # settings by the archiver and the replay.
+    s3_access_key_id: str | None = _secret("AWS_ACCESS_KEY_ID")
+    s3_secret_access_key: str | None = _secret("AWS_SECRET_ACCESS_KEY")
 
     def client(self) -> KafkaClient:
-        return KafkaClient(request_timeout_s=self.request_timeout_s)
+        secrets = {
+            "kafka_sasl_password": self.sasl_password,
+            "s3_access_key_id": self.s3_access_key_id,
+            "s3_secret_access_key": self.s3_secret_access_key,
+        }
+        return KafkaClient(settings=_settings(**secrets), request_timeout_s=self.request_timeout_s)
 
 
 class IcebergResource(dg.ConfigurableResource):  # type: ignore[type-arg]
     """The project's Iceberg catalog (:class:`~backfill_assets.stack.catalog.CatalogClient`),
     the same catalog Spark writes through."""
 
+    catalog_jdbc_password: str | None = _secret("BACKFILL_CATALOG_JDBC_PASSWORD")
+    s3_access_key_id: str | None = _secret("AWS_ACCESS_KEY_ID")
+    s3_secret_access_key: str | None = _secret("AWS_SECRET_ACCESS_KEY")
+
+    def _secrets(self) -> Settings | None:
+        return _settings(
+            catalog_jdbc_password=self.catalog_jdbc_password,
+            s3_access_key_id=self.s3_access_key_id,
+            s3_secret_access_key=self.s3_secret_access_key,
+        )
+
     @property
     def settings(self) -> Settings:
-        return Settings.from_env()
+        return self._secrets() or Settings.from_env()
 
     def client(self) -> CatalogClient:
-        return CatalogClient()
+        return CatalogClient(settings=self._secrets())
 
     def catalog(self) -> Catalog:
         return self.client().catalog()

@@ -51,6 +51,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from backfill_assets.errors import BackfillError
+from backfill_assets.spec import versions
 
 if TYPE_CHECKING:
     from confluent_kafka import Message
@@ -84,6 +85,12 @@ SCHEMA = pa.schema(
         ),
     ]
 )
+
+
+def layout_version(topic: str) -> str:
+    """The version of what defines the archive of ``topic`` (its file schema and isolation),
+    shown by Dagster as the archive asset's ``code_version``."""
+    return versions.digest("archive", [topic, SCHEMA.to_string(), ISOLATION])
 
 
 class ArchiveError(BackfillError):

@@ -281,6 +281,47 @@ def _check_table(
     return table.model_copy(update={"refs": tuple(refs)})
 
 
+ColumnLineage = dict[str, tuple[tuple[str, str], ...]]
+
+
+def column_lineage(table: TableSpec, known: dict[str, Relation]) -> ColumnLineage:
+    """Per output column of ``table``'s SQL, the (relation, column) pairs its value is computed
+    from, sorted (through CTEs, subqueries and joins, by sqlglot's lineage over the qualified
+    query). A column computed from no column (``count(*)``, a literal) maps to ``()``; one
+    sqlglot cannot trace is left out. Columns read only by filters, joins or grouping are not
+    listed: they select rows, not values."""
+    from sqlglot import exp, parse_one
+    from sqlglot.errors import SqlglotError
+    from sqlglot.lineage import lineage
+    from sqlglot.optimizer.scope import build_scope
+
+    where = f"table {table.name!r}"
+    query = _parse(
+        render(table.sql, datetime.fromtimestamp(0, UTC), datetime.fromtimestamp(3600, UTC)), where
+    )
+    typed = _qualify(query, known, where)
+    scope = build_scope(typed)
+    schema = _schema(known)
+    out: ColumnLineage = {}
+    for select in typed.selects:
+        name = select.alias_or_name
+        try:
+            node = lineage(
+                name, typed, schema=schema, dialect="spark", scope=scope, trim_selects=False
+            )
+        except (SqlglotError, KeyError, ValueError):
+            continue  # lineage is information: a construct sqlglot cannot trace is left out
+        pairs = set()
+        for leaf in node.walk():
+            if leaf.downstream or not isinstance(leaf.expression, exp.Table):
+                continue
+            relation = leaf.expression.name
+            if relation in known:
+                pairs.add((relation, parse_one(leaf.name).name))
+        out[name] = tuple(sorted(pairs))
+    return out
+
+
 def _parse(sql: str, where: str) -> exp.Query:
     import sqlglot
     from sqlglot import exp
@@ -306,9 +347,7 @@ def _qualify(query: exp.Query | str, known: dict[str, Relation], where: str) -> 
 
     if isinstance(query, str):
         query = _parse(query, where)
-    schema: dict[str, object] = {
-        n: {c: _SQLGLOT_TYPES[t] for c, t in r.columns} for n, r in known.items()
-    }
+    schema = _schema(known)
     try:
         qualified = qualify(
             query.copy(), schema=schema, dialect="spark", validate_qualify_columns=True
@@ -318,6 +357,11 @@ def _qualify(query: exp.Query | str, known: dict[str, Relation], where: str) -> 
         raise SpecError(f"{where}: {_first(err)} (or it is ambiguous)") from None
     assert isinstance(typed, exp.Query)
     return typed
+
+
+def _schema(known: dict[str, Relation]) -> dict[str, object]:
+    """The relations as sqlglot's schema: name -> column -> SQL type."""
+    return {n: {c: _SQLGLOT_TYPES[t] for c, t in r.columns} for n, r in known.items()}
 
 
 def _class(dtype: exp.DataType | None) -> str | None:

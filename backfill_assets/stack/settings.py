@@ -13,7 +13,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
@@ -213,6 +213,32 @@ class Settings:
     # default, a process and a Spark session per step.
     run_executor: RunExecutor = "in_process"
 
+    def with_secrets(
+        self,
+        *,
+        kafka_sasl_password: str | None = None,
+        catalog_jdbc_password: str | None = None,
+        s3_access_key_id: str | None = None,
+        s3_secret_access_key: str | None = None,
+    ) -> Settings:
+        """These settings with the secrets given replaced (None keeps the environment's): how
+        the Dagster resources pass the values of their ``EnvVar`` config to the clients."""
+        kafka = self.kafka
+        if kafka_sasl_password is not None:
+            kafka = replace(kafka, sasl_password=kafka_sasl_password)
+        cfg = self.catalog
+        catalog = replace(
+            cfg,
+            jdbc_password=cfg.jdbc_password
+            if catalog_jdbc_password is None
+            else catalog_jdbc_password,
+            s3_access_key_id=cfg.s3_access_key_id if s3_access_key_id is None else s3_access_key_id,
+            s3_secret_access_key=(
+                cfg.s3_secret_access_key if s3_secret_access_key is None else s3_secret_access_key
+            ),
+        )
+        return replace(self, kafka=kafka, catalog=catalog)
+
     @property
     def kafka_data_dir(self) -> Path:
         return self.home / "kafka"
@@ -311,6 +337,23 @@ class Settings:
             maintenance=_maintenance(env),
             run_executor=_run_executor(env),
         )
+
+
+# The environment variables that hold secrets (read by Settings.from_env); the Dagster
+# resources show each as an EnvVar, never as its value.
+SECRET_VARS = (
+    "BACKFILL_KAFKA_SASL_PASSWORD",
+    "BACKFILL_CATALOG_JDBC_PASSWORD",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+)
+
+
+def secrets_set(environ: Mapping[str, str] | None = None) -> frozenset[str]:
+    """Which of :data:`SECRET_VARS` are set in ``environ`` (default: the process environment);
+    their values are not returned."""
+    env = os.environ if environ is None else environ
+    return frozenset(name for name in SECRET_VARS if name in env)
 
 
 def _maintenance(env: Mapping[str, str]) -> MaintenanceSettings:

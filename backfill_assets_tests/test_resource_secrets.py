@@ -1,0 +1,100 @@
+"""Secrets are resource config shown as EnvVars: the Dagster UI (the repository snapshot it
+reads) names the variable, never the value; the value still reaches the clients; unset
+variables leave the resources as they were."""
+
+from __future__ import annotations
+
+import dagster as dg
+import pytest
+from dagster._core.remote_representation.external_data import (
+    RepositorySnap,
+    ResourceConfigEnvVarSnap,
+)
+from dagster._serdes import serialize_value
+
+from backfill_assets.defs.definitions import build_defs, build_resources
+from backfill_assets.defs.resources import IcebergResource, KafkaResource
+from backfill_assets.spec.loader import load_specs
+
+# Dagster's own snapshot code reads a deprecated schedule property.
+SNAPSHOT_WARNING = pytest.mark.filterwarnings(
+    "ignore:Property `ScheduleDefinition.environment_vars`:DeprecationWarning"
+)
+SECRETS = {
+    "BACKFILL_KAFKA_SASL_PASSWORD": "sasl-pw-7f3a91",
+    "BACKFILL_CATALOG_JDBC_PASSWORD": "jdbc-pw-2c8e44",
+    "AWS_ACCESS_KEY_ID": "AKIA-key-id-5d1b07",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret-9e6c12",
+}
+
+
+@pytest.fixture
+def secrets(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    return SECRETS
+
+
+@SNAPSHOT_WARNING
+def test_the_ui_shows_env_vars_never_values(secrets: dict[str, str]) -> None:
+    defs = build_defs(load_specs())
+    snap = RepositorySnap.from_def(defs.get_repository_def(), defer_snapshots=True)
+    resources = {r.name: r for r in snap.resources or []}
+    env = ResourceConfigEnvVarSnap
+    assert resources["kafka"].configured_values["sasl_password"] == env(
+        name="BACKFILL_KAFKA_SASL_PASSWORD"
+    )
+    for name in ("kafka", "iceberg", "spark"):
+        values = resources[name].configured_values
+        assert values["s3_access_key_id"] == env(name="AWS_ACCESS_KEY_ID")
+        assert values["s3_secret_access_key"] == env(name="AWS_SECRET_ACCESS_KEY")
+    assert resources["iceberg"].configured_values["catalog_jdbc_password"] == env(
+        name="BACKFILL_CATALOG_JDBC_PASSWORD"
+    )
+    assert set(snap.utilized_env_vars or {}) >= set(secrets)
+    shown = serialize_value(snap)
+    leaked = [value for value in secrets.values() if value in shown]
+    assert not leaked, f"secret values in the repository snapshot: {leaked}"
+
+
+def test_the_values_reach_the_clients_and_stay_out_of_reprs(secrets: dict[str, str]) -> None:
+    resources = build_resources()
+    kafka = resources["kafka"]
+    iceberg = resources["iceberg"]
+    assert isinstance(kafka, KafkaResource) and isinstance(iceberg, IcebergResource)
+    live_kafka = kafka.process_config_and_initialize()
+    live_iceberg = iceberg.process_config_and_initialize()
+    settings = live_kafka.client().settings
+    assert settings.kafka.sasl_password == secrets["BACKFILL_KAFKA_SASL_PASSWORD"]
+    assert settings.catalog.s3_secret_access_key == secrets["AWS_SECRET_ACCESS_KEY"]
+    catalog = live_iceberg.client().settings.catalog
+    assert catalog.jdbc_password == secrets["BACKFILL_CATALOG_JDBC_PASSWORD"]
+    assert catalog.s3_access_key_id == secrets["AWS_ACCESS_KEY_ID"]
+    assert live_iceberg.settings.catalog.s3_secret_access_key == secrets["AWS_SECRET_ACCESS_KEY"]
+    for shown in (repr(live_kafka), repr(live_iceberg), repr(settings)):
+        assert secrets["BACKFILL_KAFKA_SASL_PASSWORD"] not in shown
+        assert secrets["AWS_SECRET_ACCESS_KEY"] not in shown
+
+
+def test_a_configured_value_wins_over_the_environment(secrets: dict[str, str]) -> None:
+    live = KafkaResource(sasl_password="from-config").process_config_and_initialize()
+    assert live.client().settings.kafka.sasl_password == "from-config"
+
+
+@SNAPSHOT_WARNING
+def test_unset_variables_leave_the_resources_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in SECRETS:
+        monkeypatch.delenv(name, raising=False)
+    defs = build_defs(load_specs())
+    snap = RepositorySnap.from_def(defs.get_repository_def(), defer_snapshots=True)
+    for resource in snap.resources or []:
+        assert not any(
+            isinstance(v, ResourceConfigEnvVarSnap) for v in resource.configured_values.values()
+        ), resource.name
+    live = KafkaResource().process_config_and_initialize()
+    assert live.client()._settings is None  # reads the environment at each call, as before
+    assert live.client().settings.kafka.sasl_password is None
+    # A variable set later (e.g. in the run's environment) is still read by the clients.
+    monkeypatch.setenv("BACKFILL_KAFKA_SASL_PASSWORD", "late")
+    assert live.client().settings.kafka.sasl_password == "late"
+    assert isinstance(dg.EnvVar("X"), str)
