@@ -54,20 +54,24 @@ def _partition_seed(partition: int) -> int:
     return _XXH64(_INT.pack(partition), 42)
 
 
-def _bytes(kind: str, value: Any) -> bytes:
-    """A value as Spark's xxhash64 hashes its column type."""
-    if kind == "string":
-        # A JVM string encodes an unpaired surrogate as '?', as "replace" does here.
-        return str(value).encode("utf-8", "replace")
-    if kind in ("bigint", "timestamp"):  # a timestamp is its epoch microseconds
-        return _LONG.pack(value)
-    if kind == "int":
-        return _INT.pack(value)
-    if kind == "boolean":
-        return _TRUE if value else _FALSE
-    if kind == "double":
-        return _LONG.pack(_LONG.unpack(_DOUBLE.pack(0.0 if value == 0 else value))[0])
-    raise ValueError(f"no hash for column type {kind!r}")
+def _string(value: Any) -> bytes:
+    # A JVM string encodes an unpaired surrogate as '?', as "replace" does here.
+    return str(value).encode("utf-8", "replace")
+
+
+def _double(value: Any) -> bytes:
+    return _DOUBLE.pack(0.0 if value == 0 else value)  # Spark hashes -0.0 as 0.0
+
+
+# How Spark's xxhash64 sees a value of each column type (a timestamp: its epoch microseconds).
+_AS_BYTES: dict[str, Callable[[Any], bytes]] = {
+    "string": _string,
+    "bigint": _LONG.pack,
+    "timestamp": _LONG.pack,
+    "int": _INT.pack,
+    "boolean": lambda value: _TRUE if value else _FALSE,
+    "double": _double,
+}
 
 
 def row_hash(
@@ -79,12 +83,26 @@ def row_hash(
 ) -> int:
     """Spark's ``xxhash64(kafka_partition, kafka_offset, is_tombstone, <columns>...)`` of a row
     (XXH64 chained from seed 42, a NULL skipped), as a signed long."""
+    return _row_hash(partition, offset, tombstone, _packers(columns), values)
+
+
+def _packers(columns: tuple[ColumnSpec, ...]) -> list[tuple[str, Callable[[Any], bytes]]]:
+    return [(c.name, _AS_BYTES[c.type]) for c in columns]
+
+
+def _row_hash(
+    partition: int,
+    offset: int,
+    tombstone: bool,
+    packers: list[tuple[str, Callable[[Any], bytes]]],
+    values: dict[str, Any],
+) -> int:
     h = _XXH64(_LONG.pack(offset), _partition_seed(partition))
     h = _XXH64(_TRUE if tombstone else _FALSE, h)
-    for column in columns:
-        value = values.get(column.name)
+    for name, pack in packers:
+        value = values.get(name)
         if value is not None:
-            h = _XXH64(_bytes(column.type, value), h)
+            h = _XXH64(pack(value), h)
     return h - _TWO_64 if h >= _TWO_63 else h
 
 
@@ -99,6 +117,19 @@ class RecordDecoder:
             v: spec.decoder(v) for v in spec.versions
         }
         self.unverified = sorted(v for v, ref in self.references.items() if ref is None)
+        self.packers = _packers(spec.columns)
+        # (name, nullable, allowed, min, max, is a timestamp), in the replay's order
+        self.rules = [
+            (
+                c.name,
+                c.nullable,
+                frozenset(c.allowed) if c.allowed is not None else None,
+                c.min,
+                c.max,
+                c.type == "timestamp",
+            )
+            for c in spec.columns
+        ]
 
     def __call__(
         self, partition: int, offset: int, key: bytes | None, value: bytes | None
@@ -111,7 +142,7 @@ class RecordDecoder:
         if value is None:
             if key_text is None:
                 return QUARANTINED, f"missing_or_invalid:{spec.key_field}"
-            return ROW, row_hash(partition, offset, True, self.columns, {spec.key_field: key_text})
+            return ROW, _row_hash(partition, offset, True, self.packers, {spec.key_field: key_text})
         payload = _payload(value)
         if isinstance(payload, str):
             return QUARANTINED, payload
@@ -136,25 +167,25 @@ class RecordDecoder:
         reason = self._violation(row)
         if reason is not None:
             return QUARANTINED, reason
-        return ROW, row_hash(partition, offset, False, self.columns, row)
+        return ROW, _row_hash(partition, offset, False, self.packers, row)
 
     def _violation(self, row: dict[str, Any]) -> str | None:
         """The first column rule a row breaks, in the replay's order."""
         low, high = TIMESTAMP_RANGE_US
-        for c in self.columns:
-            value = row.get(c.name)
+        for name, nullable, allowed, least, most, stamp in self.rules:
+            value = row.get(name)
             if value is None:
-                if not c.nullable:
-                    return f"missing_or_invalid:{c.name}"
+                if not nullable:
+                    return f"missing_or_invalid:{name}"
                 continue
-            if c.allowed is not None and value not in c.allowed:
-                return f"not_allowed:{c.name}"
-            if c.min is not None and value < c.min:
-                return f"below_min:{c.name}"
-            if c.max is not None and value > c.max:
-                return f"above_max:{c.name}"
-            if c.type == "timestamp" and not low <= value < high:
-                return f"out_of_range:{c.name}"
+            if allowed is not None and value not in allowed:
+                return f"not_allowed:{name}"
+            if least is not None and value < least:
+                return f"below_min:{name}"
+            if most is not None and value > most:
+                return f"above_max:{name}"
+            if stamp and not low <= value < high:
+                return f"out_of_range:{name}"
         return None
 
 

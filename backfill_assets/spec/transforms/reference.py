@@ -74,6 +74,8 @@ def loads(text: str) -> Any:
 
 def lookup(payload: Payload, path: str) -> Any:
     """The value at ``path`` (``name`` or ``name.name...``), or :data:`MISSING`."""
+    if "." not in path:
+        return payload.get(path, _MISSING)
     value: Any = payload
     for name in path.split("."):
         if not isinstance(value, dict) or name not in value:
