@@ -50,6 +50,7 @@ def test_blocking_checks_users_rely_on() -> None:
         (RAW, "schema_contract"),
         (RAW, "uniqueness"),
         (RAW, "quarantine_ratio"),
+        (RAW, "decoded_content"),
         (HOURLY, "reconciliation"),
         (HOURLY, "uniqueness"),
         (HOURLY, "schema_contract"),

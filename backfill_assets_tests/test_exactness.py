@@ -467,6 +467,18 @@ def _break_the_contract(spark: SparkSession, branch: str, _q: str, _c: Any) -> N
     )
 
 
+def _alter_a_typed_value(spark: SparkSession, branch: str, _q: str, _c: Any) -> None:
+    """What a parse or upcaster bug leaves: a typed value inside the contract that the record's
+    bytes do not say (its bytes and record_hash are kept)."""
+    row = _one_row(spark, branch, HOURS[1]).where("NOT is_tombstone").first()
+    assert row is not None
+    spark.sql(
+        f"UPDATE {branch} SET amount_minor = amount_minor + 1 "
+        f"WHERE kafka_partition = {row['kafka_partition']} "
+        f"AND kafka_offset = {row['kafka_offset']}"
+    )
+
+
 def _extra_aborted(world: World) -> Mutation:
     """What a read_uncommitted source would add: an aborted record of hour 1, as a row."""
     from pyspark.sql import functions as F
@@ -494,19 +506,31 @@ def _extra_aborted(world: World) -> Mutation:
 
 
 Mutation = Callable[["SparkSession", str, str, Any], None]
+# Every fault that changes the rows also changes what the independent decode of the same Kafka
+# records expects (decoded_content); corrupted bytes alone do not touch a typed value.
 MUTATIONS: dict[str, tuple[Callable[[World], Mutation], set[str]]] = {
-    "dropped row": (lambda w: _drop_a_row, {"count_reconciliation", "checksum"}),
-    "extra aborted record": (_extra_aborted, {"count_reconciliation", "checksum"}),
+    "dropped row": (
+        lambda w: _drop_a_row,
+        {"count_reconciliation", "checksum", "decoded_content"},
+    ),
+    "extra aborted record": (
+        _extra_aborted,
+        {"count_reconciliation", "checksum", "decoded_content"},
+    ),
     "window shifted by an hour": (
         lambda w: _shift_an_hour,
-        {"count_reconciliation", "checksum"},
+        {"count_reconciliation", "checksum", "decoded_content"},
     ),
     "duplicated offset": (
         lambda w: _duplicate_an_offset,
-        {"count_reconciliation", "checksum", "uniqueness"},
+        {"count_reconciliation", "checksum", "uniqueness", "decoded_content"},
     ),
     "corrupted bytes": (lambda w: _corrupt_bytes, {"checksum"}),
-    "value outside the contract": (lambda w: _break_the_contract, {"schema_contract"}),
+    "value outside the contract": (
+        lambda w: _break_the_contract,
+        {"schema_contract", "decoded_content"},
+    ),
+    "typed value altered, bytes kept": (lambda w: _alter_a_typed_value, {"decoded_content"}),
 }
 
 

@@ -17,9 +17,9 @@ from backfill_assets.spec.loader import load_specs
 from backfill_assets.spec.model import SPEC_PATH, SpecError, TableSpec, TopicSpec
 
 TOPIC_FIELDS = (
-    "['allowed_lateness_hours', 'columns', 'current', 'event_id_field', 'event_time_field', "
-    "'format', 'key_field', 'latest_version', 'max_record_bytes', 'partition_start', "
-    "'quarantine_max_ratio', 'tables', 'topic', 'upcasters', 'version_field']"
+    "['allowed_lateness_hours', 'columns', 'current', 'decoders', 'event_id_field', "
+    "'event_time_field', 'format', 'key_field', 'latest_version', 'max_record_bytes', "
+    "'partition_start', 'quarantine_max_ratio', 'tables', 'topic', 'upcasters', 'version_field']"
 )
 TABLE_FIELDS = (
     "['columns', 'description', 'event_time', 'grain', 'lateness_hours', 'lookback_hours', "

@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 from backfill_assets.errors import BackfillError
 from backfill_assets.lake import ledger
 from backfill_assets.lake.archive import Archive
+from backfill_assets.lake.content import RecordDecoder
 from backfill_assets.lake.wap import SUMMARY_PREFIX, Branch, open_branch, ref_sql
-from backfill_assets.lake.windows import Windows, scan
+from backfill_assets.lake.windows import Decode, Windows, scan
 from backfill_assets.spec.model import SPARK_TYPES, TopicSpec
 from backfill_assets.stack import faults
 
@@ -244,16 +245,25 @@ def offset_contract(
     *,
     published: dict[datetime, dict[int, tuple[int, int]]] | None = None,
     seal_grace: timedelta = timedelta(minutes=5),
+    decode: Decode | None = None,
 ) -> OffsetContract:
     """The exact offsets of hours ``[start, end)`` (see :func:`backfill_assets.lake.windows.scan`),
-    chained on ``published`` (the ledger's windows of the topic's raw table).
+    chained on ``published`` (the ledger's windows of the topic's raw table); with ``decode``,
+    every record is also decoded independently (:mod:`backfill_assets.lake.content`).
 
     Offsets below a partition's log start offset come from the archive. Raises
     :class:`~backfill_assets.lake.windows.WindowNotSealed` or
     :class:`~backfill_assets.lake.windows.WindowError` rather than guess.
     """
     windows = scan(
-        kafka, topic, start, end, published=published, archive=archive, seal_grace=seal_grace
+        kafka,
+        topic,
+        start,
+        end,
+        published=published,
+        archive=archive,
+        seal_grace=seal_grace,
+        decode=decode,
     )
     return OffsetContract(topic, start, end, windows.ranges, windows.kafka_start, windows)
 
@@ -648,6 +658,7 @@ def window_contract(
         archive=Archive(settings),
         published=published,
         seal_grace=timedelta(seconds=settings.seal_grace_s),
+        decode=RecordDecoder(spec),
     )
 
 

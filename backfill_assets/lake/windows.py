@@ -31,11 +31,11 @@ import functools
 import json
 import struct
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from itertools import pairwise
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -68,6 +68,9 @@ _INT, _LONG = struct.Struct("<i"), struct.Struct("<q")
 # long timeout, every scan shorter than a batch (a small window's) waited for all of it.
 _BATCH, _POLL_S = 10_000, 0.05
 _XXH64 = xxhash.xxh64_intdigest
+# An independent decode of one record (partition, offset, key, value) -> (kind, detail): see
+# :class:`backfill_assets.lake.content.RecordDecoder`.
+Decode = Callable[[int, int, "bytes | None", "bytes | None"], tuple[str, Any]]
 
 
 def record_hash(partition: int, offset: int, key: bytes | None, value: bytes | None) -> int:
@@ -108,6 +111,11 @@ class Cell:
     hash_sum: int = 0
     first_offset: int | None = None
     last_offset: int | None = None
+    # With a decode (see scan): the rows it expects, the sum of their content hashes, and the
+    # records of a version it has no reference for.
+    decoded_rows: int = 0
+    decoded_sum: int = 0
+    unverified: int = 0
 
     def add(self, offset: int, key: bytes | None, value: bytes | None, partition: int) -> None:
         self.records += 1
@@ -116,6 +124,13 @@ class Cell:
         if self.first_offset is None:
             self.first_offset = offset
         self.last_offset = offset
+
+    def add_decoded(self, kind: str, detail: Any) -> None:
+        if kind == "row":
+            self.decoded_rows += 1
+            self.decoded_sum += detail
+        elif kind == "unverified":
+            self.unverified += 1
 
 
 @dataclass
@@ -129,6 +144,9 @@ class Windows:
     cells: dict[datetime, dict[int, Cell]]
     # Per partition, Kafka's log start offset: offsets below it were read from the archive.
     kafka_start: dict[int, int] = field(default_factory=dict)
+    # Whether every record was also decoded (scan's ``decode``): the cells' decoded figures.
+    decoded: bool = False
+    decode_s: float = 0.0  # seconds the decode took
 
     @property
     def hours(self) -> list[datetime]:
@@ -153,15 +171,21 @@ class Windows:
         return sum(e - s for s, e in self.ranges.values())
 
     def hour_figures(self) -> dict[str, dict[str, int]]:
-        """Per hour (ISO, UTC): committed records, bytes and hash sum over all partitions."""
+        """Per hour (ISO, UTC): committed records, bytes and hash sum over all partitions; with
+        a decode also the rows it expects (``decoded_rows``), their content hash sum
+        (``decoded_sum``) and the records it could not verify (``unverified``)."""
         out = {}
         for hour in self.hours:
             cells = self.cells[hour].values()
-            out[hour.isoformat()] = {
+            figures = out[hour.isoformat()] = {
                 "records": sum(c.records for c in cells),
                 "bytes": sum(c.size for c in cells),
                 "hash_sum": sum(c.hash_sum for c in cells),
             }
+            if self.decoded:
+                figures["decoded_rows"] = sum(c.decoded_rows for c in cells)
+                figures["decoded_sum"] = sum(c.decoded_sum for c in cells)
+                figures["unverified"] = sum(c.unverified for c in cells)
         return out
 
     def bounds_json(self) -> str:
@@ -218,6 +242,8 @@ class _Cursor:
     index: int = -1  # the hour being filled; -1 before the first boundary
     position: int = 0  # next offset to read
     bounds_ms: list[int] = field(default_factory=list)  # bounds as epoch millis
+    decode: Decode | None = None
+    decode_s: float = 0.0
 
     # fixed_after[i]: the first boundary after i the ledger fixes (None: none). While records
     # are fed, no boundary after the next one is found yet, so this is cap(i + 1) then, in O(1)
@@ -288,6 +314,10 @@ class _Cursor:
                 assert start is not None
                 cell = cells[self.index] = Cell(start, start)
             cell.add(offset, key, value, self.partition)
+            if self.decode is not None:
+                began = time.perf_counter()
+                cell.add_decoded(*self.decode(self.partition, offset, key, value))
+                self.decode_s += time.perf_counter() - began
 
 
 def scan(
@@ -301,6 +331,7 @@ def scan(
     seal_grace: timedelta = timedelta(minutes=5),
     now: datetime | None = None,
     timeout_s: float = 60.0,
+    decode: Decode | None = None,
 ) -> Windows:
     """The windows of hours ``[start, end)`` of ``topic`` and Kafka's figures for each.
 
@@ -309,6 +340,9 @@ def scan(
     record of the range once (plus, for a first window, from the broker's ListOffsets hint to
     the first boundary). Raises :class:`WindowNotSealed` or :class:`WindowError` naming the
     partition, hour and offsets, and never returns a guess.
+
+    With ``decode``, every record of the windows is also decoded on the way (the independent
+    decode of :mod:`backfill_assets.lake.content`) and the cells sum what it says.
     """
     now = now or datetime.now(UTC)
     if end > now:
@@ -334,7 +368,7 @@ def scan(
                 # Absent from a published hour: the partition did not exist when that hour
                 # was sealed, so all its records come after it (its chain starts at 0).
                 fixed[i] = 0
-        cursors[p] = _Cursor(p, bounds, fixed)
+        cursors[p] = _Cursor(p, bounds, fixed, decode=decode)
     cells: dict[int, list[Cell | None]] = {p: [None] * (len(bounds) - 1) for p in parts}
 
     # Where reading starts: the fixed first boundary, or the broker's hint for it.
@@ -428,7 +462,15 @@ def scan(
             row[p] = cell
         out[hour] = row
     _check_chain(topic, out, published)
-    return Windows(topic, start, end, out, {p: ends[p][0] for p in parts if ends[p][0] > 0})
+    return Windows(
+        topic,
+        start,
+        end,
+        out,
+        {p: ends[p][0] for p in parts if ends[p][0] > 0},
+        decoded=decode is not None,
+        decode_s=sum(c.decode_s for c in cursors.values()),
+    )
 
 
 def _read_kafka(

@@ -31,6 +31,8 @@ from pydantic import (
 
 from backfill_assets.errors import BackfillError
 from backfill_assets.spec.transforms import identity
+from backfill_assets.spec.transforms.reference import Reference
+from backfill_assets.spec.transforms.reference import identity as reference_identity
 
 if TYPE_CHECKING:
     from pyspark.sql import Column
@@ -251,6 +253,11 @@ class TopicSpec(_Spec):
     upcasters: Mapping[StrictInt, Annotated[str, AfterValidator(_importable)]] = Field(
         default_factory=dict, description="schema version -> `package.module:function`"
     )
+    decoders: Mapping[StrictInt, Annotated[str, AfterValidator(_importable)]] = Field(
+        default_factory=dict,
+        description="schema version -> `package.module:function`: its Python reference decode, "
+        "which the raw table's decoded_content check compares the stored rows with",
+    )
     columns: Columns = Field(description="the latest schema: every field a record carries")
     max_record_bytes: StrictInt = Field(
         default=DEFAULT_MAX_RECORD_BYTES, gt=0, description="key + value above it are quarantined"
@@ -265,7 +272,11 @@ class TopicSpec(_Spec):
     def _defaults(cls, data: Any, context: Mapping[str, Any]) -> Any:
         if not isinstance(data, dict):
             return data
-        data = {**data, "upcasters": data.get("upcasters") or {}}
+        data = {
+            **data,
+            "upcasters": data.get("upcasters") or {},
+            "decoders": data.get("decoders") or {},
+        }
         if data.get("version_field") is None and data.get("latest_version") is None:
             data["latest_version"] = 1  # no version field: every record is read as the columns
         rule = {"key": data.get("key_field"), "order_by": data.get("event_time_field")}
@@ -316,6 +327,11 @@ class TopicSpec(_Spec):
             )
         if latest is not None and ups and latest < max(ups):
             raise ValueError(f"latest_version {latest} is older than an upcaster's version")
+        unknown = sorted(set(self.decoders) - set(self.versions))
+        if unknown:
+            raise ValueError(
+                f"decoders: version(s) {unknown} have no upcaster (versions: {self.versions})"
+            )
         if self.current is not None:
             if self.current.key not in names:
                 raise ValueError(f"current.key: {self.current.key!r} is not one of the columns")
@@ -350,3 +366,16 @@ class TopicSpec(_Spec):
         module_name, _, attr = self.upcasters[version].partition(":")
         fn: Upcaster = getattr(importlib.import_module(module_name), attr)
         return fn
+
+    def decoder(self, version: int) -> Reference | None:
+        """The Python reference decode of ``version``
+        (:mod:`~backfill_assets.spec.transforms.reference`), or None if the spec names none.
+        A version read as the columns say has its columns' reference
+        (:func:`~backfill_assets.spec.transforms.reference.identity`)."""
+        if version in self.decoders:
+            module_name, _, attr = self.decoders[version].partition(":")
+            fn: Reference = getattr(importlib.import_module(module_name), attr)
+            return fn
+        if version not in self.upcasters and version == self.latest_version:
+            return reference_identity(self.columns)
+        return None

@@ -1,0 +1,214 @@
+"""The independent decode behind the raw table's ``decoded_content`` check.
+
+The librdkafka pass that fixes a run's windows (:func:`backfill_assets.lake.windows.scan`) hands
+every committed record of the window to a :class:`RecordDecoder`. It applies the replay's
+quarantine rules (:data:`backfill_assets.lake.replay.QUARANTINE_RULES`) and each schema
+version's Python reference decode (:mod:`backfill_assets.spec.transforms.reference`, named by
+the spec's ``decoders``), never Spark's parse, the JVM reader or the upcasters, and hashes the
+typed row it expects the table to hold exactly as Spark's
+``xxhash64(kafka_partition, kafka_offset, is_tombstone, <columns>...)`` hashes the stored row.
+The check compares, per Kafka hour, the sum of those hashes with the same sum over the
+branch's rows: a wrong upcaster, a wrong parse or a row whose typed values were altered
+changes some hour's sum (one changed value in a window is enough: the sums are exact integers
+of 64-bit hashes, so a miss needs a hash collision, about 2^-64).
+
+Every record is decoded (no sample): in Python on the run's driver, while librdkafka reads it
+(the cost is in the check's metadata and README). A record the reference quarantines counts on
+neither side only if the table quarantined it too; a record one side keeps as a row and the
+other quarantines changes the hour's sum and row count, so the check fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+import xxhash
+
+from backfill_assets.spec.model import ColumnSpec, TopicSpec
+from backfill_assets.spec.transforms import reference
+
+# What the decode says about one record: a row and its content hash, a quarantine reason, or a
+# version without a Python reference (not compared).
+ROW, QUARANTINED, UNVERIFIED = "row", "quarantined", "unverified"
+Decoded = tuple[str, Any]
+
+# Timestamps a row may hold (replay.TIMESTAMP_RANGE, stated again: 1900-01-01 .. 2200-01-01
+# UTC), as epoch microseconds.
+TIMESTAMP_RANGE_US = (
+    int((datetime.fromisoformat("1900-01-01T00:00:00+00:00")).timestamp()) * 1_000_000,
+    int((datetime.fromisoformat("2200-01-01T00:00:00+00:00")).timestamp()) * 1_000_000,
+)
+
+_INT, _LONG, _DOUBLE = struct.Struct("<i"), struct.Struct("<q"), struct.Struct("<d")
+_XXH64 = xxhash.xxh64_intdigest
+_TWO_63, _TWO_64 = 1 << 63, 1 << 64
+_TRUE, _FALSE = _INT.pack(1), _INT.pack(0)
+
+
+@functools.cache
+def _partition_seed(partition: int) -> int:
+    return _XXH64(_INT.pack(partition), 42)
+
+
+def _string(value: Any) -> bytes:
+    # A JVM string encodes an unpaired surrogate as '?', as "replace" does here.
+    return str(value).encode("utf-8", "replace")
+
+
+def _double(value: Any) -> bytes:
+    return _DOUBLE.pack(0.0 if value == 0 else value)  # Spark hashes -0.0 as 0.0
+
+
+# How Spark's xxhash64 sees a value of each column type (a timestamp: its epoch microseconds).
+_AS_BYTES: dict[str, Callable[[Any], bytes]] = {
+    "string": _string,
+    "bigint": _LONG.pack,
+    "timestamp": _LONG.pack,
+    "int": _INT.pack,
+    "boolean": lambda value: _TRUE if value else _FALSE,
+    "double": _double,
+}
+
+
+def row_hash(
+    partition: int,
+    offset: int,
+    tombstone: bool,
+    columns: tuple[ColumnSpec, ...],
+    values: dict[str, Any],
+) -> int:
+    """Spark's ``xxhash64(kafka_partition, kafka_offset, is_tombstone, <columns>...)`` of a row
+    (XXH64 chained from seed 42, a NULL skipped), as a signed long."""
+    return _row_hash(partition, offset, tombstone, _packers(columns), values)
+
+
+def _packers(columns: tuple[ColumnSpec, ...]) -> list[tuple[str, Callable[[Any], bytes]]]:
+    return [(c.name, _AS_BYTES[c.type]) for c in columns]
+
+
+def _row_hash(
+    partition: int,
+    offset: int,
+    tombstone: bool,
+    packers: list[tuple[str, Callable[[Any], bytes]]],
+    values: dict[str, Any],
+) -> int:
+    h = _XXH64(_LONG.pack(offset), _partition_seed(partition))
+    h = _XXH64(_TRUE if tombstone else _FALSE, h)
+    for name, pack in packers:
+        value = values.get(name)
+        if value is not None:
+            h = _XXH64(pack(value), h)
+    return h - _TWO_64 if h >= _TWO_63 else h
+
+
+class RecordDecoder:
+    """Decodes one Kafka record the way the replay must have: ``(ROW, content hash)``,
+    ``(QUARANTINED, reason)`` or ``(UNVERIFIED, version)``."""
+
+    def __init__(self, spec: TopicSpec) -> None:
+        self.spec = spec
+        self.columns = spec.columns
+        self.references: dict[int, Callable[[reference.Payload], Any] | None] = {
+            v: spec.decoder(v) for v in spec.versions
+        }
+        self.unverified = sorted(v for v, ref in self.references.items() if ref is None)
+        self.packers = _packers(spec.columns)
+        # (name, nullable, allowed, min, max, is a timestamp), in the replay's order
+        self.rules = [
+            (
+                c.name,
+                c.nullable,
+                frozenset(c.allowed) if c.allowed is not None else None,
+                c.min,
+                c.max,
+                c.type == "timestamp",
+            )
+            for c in spec.columns
+        ]
+
+    def __call__(
+        self, partition: int, offset: int, key: bytes | None, value: bytes | None
+    ) -> Decoded:
+        spec = self.spec
+        size = len(key or b"") + len(value or b"")
+        if size > spec.max_record_bytes:
+            return QUARANTINED, f"record_too_large:{size}"
+        key_text = _utf8(key)
+        if value is None:
+            if key_text is None:
+                return QUARANTINED, f"missing_or_invalid:{spec.key_field}"
+            return ROW, _row_hash(partition, offset, True, self.packers, {spec.key_field: key_text})
+        payload = _payload(value)
+        if isinstance(payload, str):
+            return QUARANTINED, payload
+        return self._event(partition, offset, key_text, payload)
+
+    def _event(
+        self, partition: int, offset: int, key_text: str | None, payload: dict[str, Any]
+    ) -> Decoded:
+        spec = self.spec
+        if spec.version_field is None:
+            version = spec.latest_version
+        else:
+            version = reference.field(payload, spec.version_field, "int")
+        if version is None or version not in self.references:
+            return QUARANTINED, f"unknown_schema_version:{'?' if version is None else version}"
+        decode = self.references[version]
+        if decode is None:
+            return UNVERIFIED, version
+        row = dict(decode(payload))
+        if row.get(spec.key_field) is None and not reference.present(payload, spec.key_field):
+            row[spec.key_field] = key_text
+        reason = self._violation(row)
+        if reason is not None:
+            return QUARANTINED, reason
+        return ROW, _row_hash(partition, offset, False, self.packers, row)
+
+    def _violation(self, row: dict[str, Any]) -> str | None:
+        """The first column rule a row breaks, in the replay's order."""
+        low, high = TIMESTAMP_RANGE_US
+        for name, nullable, allowed, least, most, stamp in self.rules:
+            value = row.get(name)
+            if value is None:
+                if not nullable:
+                    return f"missing_or_invalid:{name}"
+                continue
+            if allowed is not None and value not in allowed:
+                return f"not_allowed:{name}"
+            if least is not None and value < least:
+                return f"below_min:{name}"
+            if most is not None and value > most:
+                return f"above_max:{name}"
+            if stamp and not low <= value < high:
+                return f"out_of_range:{name}"
+        return None
+
+
+def _payload(value: bytes) -> dict[str, Any] | str:
+    """The JSON object a value holds, or the reason it is quarantined."""
+    if not value:
+        return "empty_value"
+    text = _utf8(value)
+    if text is None:
+        return "invalid_utf8"
+    try:
+        payload = reference.loads(text)
+    except reference.InvalidJson:
+        return "invalid_json"
+    if not isinstance(payload, dict):
+        return "not_json_object"
+    return payload
+
+
+def _utf8(data: bytes | None) -> str | None:
+    if data is None:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None

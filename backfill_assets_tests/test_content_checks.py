@@ -1,0 +1,319 @@
+"""Checks that see content (issue 30).
+
+* ``decoded_content``: an independent Python decode of every Kafka record (the spec's reference
+  decoders, :mod:`backfill_assets.lake.content`) is compared per hour with the typed values
+  stored on the run's branch. Proven with a real transform bug: a spec whose v2 upcaster
+  multiplies the amount by 10 (the bytes and every other check stay right) is backfilled
+  through Dagster; the check fails and main keeps its snapshot.
+* ``quarantine_ratio`` is judged per Kafka hour: one bad hour fails the run although the whole
+  run's ratio is under the limit, and the failure names that hour.
+* The Python decode agrees with Spark where they must: the row hash is Spark's ``xxhash64``
+  and ISO timestamps parse as Spark's cast does (the other rules are exercised against the JVM
+  reader by ``test_bad_input``, whose run must pass this check too).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
+
+import dagster as dg
+import pytest
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+from backfill_assets.defs.assets import build_raw_asset
+from backfill_assets.defs.definitions import RESOURCES, SPECS
+from backfill_assets.demo.generator import GeneratorConfig, generate
+from backfill_assets.lake import content
+from backfill_assets.lake.replay import TIMESTAMP_RANGE
+from backfill_assets.spec.declared import renamed
+from backfill_assets.spec.model import TopicSpec
+from backfill_assets.spec.transforms import reference
+from backfill_assets.spec.transforms.orders import upcast_v2
+from backfill_assets.stack.settings import Settings
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, SparkSession
+
+ORDERS = SPECS[0]
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def upcast_v2_amount_times_ten(v: Column) -> dict[str, Column]:
+    """The injected transform bug: v2's amount read ten times too large. Every value stays
+    inside the contract and the Kafka bytes are untouched."""
+    out = upcast_v2(v)
+    out["amount_minor"] = out["amount_minor"] * 10
+    return out
+
+
+def _label(hour: datetime) -> str:
+    return hour.strftime("%Y-%m-%d-%H:%M")
+
+
+def _materialize(
+    spec: TopicSpec, instance: dg.DagsterInstance, first: datetime, last: datetime
+) -> dg.ExecuteInProcessResult:
+    return dg.materialize(
+        [build_raw_asset(spec)],
+        resources=RESOURCES,
+        instance=instance,
+        tags={
+            "dagster/asset_partition_range_start": _label(first),
+            "dagster/asset_partition_range_end": _label(last),
+        },
+        raise_on_error=False,
+    )
+
+
+def _checks(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
+    return {e.check_name: e for e in result.get_asset_check_evaluations()}
+
+
+def _main_snapshot(spark: SparkSession, table: str) -> int | None:
+    row = spark.sql(f"SELECT snapshot_id FROM {table}.refs WHERE name = 'main'").first()
+    return None if row is None else int(row[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode itself (no broker, no Spark)
+# ---------------------------------------------------------------------------------------------
+
+
+def _v2(**over: Any) -> bytes:
+    payload: dict[str, Any] = {
+        "schema_version": 2,
+        "event_id": "e1",
+        "order_id": "o1",
+        "customer_id": "c1",
+        "event_type": "created",
+        "status": "open",
+        "currency": "EUR",
+        "amount_minor": 1234,
+        "channel": "web",
+        "event_time": 1_775_000_000_000,
+    }
+    payload.update(over)
+    return json.dumps({k: v for k, v in payload.items() if v is not ...}).encode()
+
+
+@pytest.mark.parametrize(
+    ("value", "expect"),
+    [
+        (_v2(), "row"),
+        (_v2(amount_minor=5e2), "row"),  # 500.0 is 500
+        (_v2(amount_minor=12.7), "missing_or_invalid:amount_minor"),
+        (_v2(amount_minor="1234"), "missing_or_invalid:amount_minor"),
+        (_v2(amount_minor=10**30), "missing_or_invalid:amount_minor"),
+        (_v2(amount_minor=-1), "below_min:amount_minor"),
+        (_v2(currency="XXX"), "not_allowed:currency"),
+        (_v2(event_time=10**16), "missing_or_invalid:event_time"),
+        (_v2(event_time=-3_000_000_000_000), "out_of_range:event_time"),
+        (_v2(schema_version=9), "unknown_schema_version:9"),
+        (_v2(schema_version="2"), "unknown_schema_version:?"),
+        (_v2(order_id=...), "row"),  # the key stands in
+        (_v2(order_id=None), "missing_or_invalid:order_id"),
+        (b'{"a":1,"a":2}', "invalid_json"),
+        (_v2()[:-1] + b', "x": NaN}', "invalid_json"),
+        (_v2() + b" junk", "invalid_json"),
+        (_v2() + b"  \n", "row"),
+        (b"[1]", "not_json_object"),
+        (b"", "empty_value"),
+        (b"\xff{}", "invalid_utf8"),
+        (None, "row"),  # a tombstone with a UTF-8 key
+    ],
+)
+def test_the_decode_applies_the_quarantine_rules(value: bytes | None, expect: str) -> None:
+    decode = content.RecordDecoder(ORDERS)
+    kind, detail = decode(0, 7, b"o1", value)
+    assert (kind if kind == content.ROW else detail) == expect
+
+
+def test_v1_reference_reads_major_units_and_iso_times() -> None:
+    payload = reference.loads(
+        '{"amount": 12.3, "event_time": "2026-01-02T03:04:05.678Z", "event_id": "e"}'
+    )
+    row = ORDERS.decoder(1)(payload)  # type: ignore[misc]
+    assert row["amount_minor"] == 1230 and row["channel"] == "unknown"
+    assert row["event_time"] == int(datetime(2026, 1, 2, 3, 4, 5, 678000, UTC).timestamp() * 1e6)
+    assert reference.field(reference.loads('{"a": 12.345}'), "a", "decimal(18,2)") is None
+    assert reference.field({"a": Decimal("1E+2")}, "a", "decimal(18,2)") == 100
+
+
+def test_the_timestamp_range_is_the_replays() -> None:
+    low, high = (
+        int(datetime.fromisoformat(t + "+00:00").timestamp()) * 1_000_000 for t in TIMESTAMP_RANGE
+    )
+    assert (low, high) == content.TIMESTAMP_RANGE_US
+
+
+# ---------------------------------------------------------------------------------------------
+# Agreement with Spark
+# ---------------------------------------------------------------------------------------------
+
+
+def test_row_hash_and_iso_timestamps_agree_with_spark(spark_session: SparkSession) -> None:
+    from pyspark.sql import functions as F
+
+    texts = [
+        "2026-01-02T03:04:05.678Z",
+        "2026-01-02 03:04:05",
+        "2026-01-02T03:04:05.123456789Z",
+        "2026-01-02T03:04:05+02:00",
+        "2026-01-02T03:04:05-0130",
+        "2026-01-02T03:04",
+        "2026-01-02",
+        " 2026-01-02T03:04:05Z ",
+        "2026-02-30T00:00:00Z",
+    ]
+    rows = spark_session.createDataFrame([(t,) for t in texts], "t string").select(
+        "t", F.unix_micros(F.try_to_timestamp("t")).alias("us")
+    )
+    spark = {r["t"]: r["us"] for r in rows.collect()}
+    assert {t: reference.text_timestamp(t) for t in texts} == spark
+
+    columns = ORDERS.columns
+    values: dict[str, Any] = {
+        "event_id": "é-\U0001f600",
+        "order_id": "o",
+        "customer_id": None,
+        "amount_minor": -5,
+        "event_time": 1_775_000_000_123_000,
+    }
+    ddl = "p int, o bigint, t boolean, " + ", ".join(f"{c.name} {c.type}" for c in columns)
+    data = [
+        (
+            3,
+            42,
+            False,
+            *[
+                EPOCH + timedelta(microseconds=values[c.name])
+                if c.type == "timestamp" and values.get(c.name) is not None
+                else values.get(c.name)
+                for c in columns
+            ],
+        )
+    ]
+    frame = spark_session.createDataFrame(data, ddl)
+    got = frame.select(F.xxhash64("p", "o", "t", *[c.name for c in columns])).first()
+    assert got is not None
+    assert got[0] == content.row_hash(3, 42, False, columns, values)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through Dagster: a wrong upcaster is blocked
+# ---------------------------------------------------------------------------------------------
+
+UPCAST_START = datetime(2026, 4, 6, tzinfo=UTC)
+
+
+@pytest.fixture(scope="module")
+def instance() -> Iterator[dg.DagsterInstance]:
+    with dg.instance_for_test() as inst:
+        yield inst
+
+
+def test_a_wrong_upcaster_fails_decoded_content_and_main_is_unchanged(
+    stack_settings: Settings, spark_session: SparkSession, instance: dg.DagsterInstance
+) -> None:
+    topic = f"upcast_{uuid.uuid4().hex[:8]}"
+    spec = renamed(ORDERS, topic=topic)
+    # Four hours, schema v1 in the first two and v2 after; hours 1-2 are backfilled.
+    generate(
+        stack_settings,
+        GeneratorConfig(topic=topic, start=UPCAST_START, hours=4, events_per_hour=60, seed=3),
+    )
+    first, last = UPCAST_START + timedelta(hours=1), UPCAST_START + timedelta(hours=2)
+    table = f"lake.{stack_settings.catalog.namespace}.{spec.raw_table}"
+
+    clean = _materialize(spec, instance, first, last)
+    assert clean.success
+    checks = _checks(clean)
+    assert checks["decoded_content"].passed, checks["decoded_content"].description
+    assert checks["decoded_content"].metadata["decode_seconds"].value >= 0
+    before = _main_snapshot(spark_session, table)
+    rows_before = sorted(map(tuple, spark_session.table(table).drop("ingest_run_id").collect()))
+
+    wrong = renamed(
+        ORDERS,
+        topic=topic,
+        upcasters={
+            1: ORDERS.upcasters[1],
+            2: f"{__name__}:upcast_v2_amount_times_ten",
+        },
+    )
+    result = _materialize(wrong, instance, first, last)
+    assert not result.success
+    checks = _checks(result)
+    failed = {name for name, e in checks.items() if not e.passed}
+    assert failed == {"decoded_content"}, failed
+    meta = checks["decoded_content"].metadata
+    # Only the v2 hour differs; the v1 hour read by the right upcaster matches.
+    assert meta["hours_that_differ"].value == [last.isoformat()]
+    assert "content differs" in str(checks["decoded_content"].description)
+    assert _main_snapshot(spark_session, table) == before
+    rows_after = sorted(map(tuple, spark_session.table(table).drop("ingest_run_id").collect()))
+    assert rows_after == rows_before
+
+
+# ---------------------------------------------------------------------------------------------
+# Through Dagster: the quarantine ratio is judged per hour
+# ---------------------------------------------------------------------------------------------
+
+RATIO_START = datetime(2026, 4, 8, tzinfo=UTC)
+
+
+def _produce_hours(settings: Settings, topic: str, bad_in_hour: dict[int, int]) -> None:
+    """40 valid v2 events per hour for hours 0-3 of RATIO_START, plus ``bad_in_hour[h]``
+    invalid JSON records in hour h, one partition."""
+    admin = AdminClient(dict(settings.kafka.client_config()))
+    for future in admin.create_topics([NewTopic(topic, num_partitions=1)]).values():
+        future.result(30)
+    producer = Producer(dict(settings.kafka.client_config()))
+    for hour in range(4):
+        base = RATIO_START + timedelta(hours=hour)
+        values = [
+            _v2(
+                event_id=f"e{hour}-{i}",
+                order_id=f"o{i}",
+                event_time=int((base + timedelta(minutes=i)).timestamp() * 1000),
+            )
+            for i in range(40)
+        ]
+        values += [b'{"schema_version": 2, "event_id": '] * bad_in_hour.get(hour, 0)
+        for i, value in enumerate(values):
+            ts = base + timedelta(seconds=30 + i)
+            producer.produce(
+                topic, value=value, key=b"k", partition=0, timestamp=int(ts.timestamp() * 1000)
+            )
+    assert producer.flush(60) == 0
+
+
+def test_one_bad_hour_fails_the_quarantine_ratio_although_the_run_is_under_it(
+    stack_settings: Settings, spark_session: SparkSession, instance: dg.DagsterInstance
+) -> None:
+    topic = f"qratio_{uuid.uuid4().hex[:8]}"
+    spec = renamed(ORDERS, topic=topic, quarantine_max_ratio=0.05)
+    # Hour 2: 6 of 46 records quarantined (0.13); the run: 6 of 166 (0.036, under 0.05).
+    _produce_hours(stack_settings, topic, {2: 6})
+    table = f"lake.{stack_settings.catalog.namespace}.{spec.raw_table}"
+
+    result = _materialize(spec, instance, RATIO_START, RATIO_START + timedelta(hours=3))
+    assert not result.success
+    checks = _checks(result)
+    failed = {name for name, e in checks.items() if not e.passed}
+    assert failed == {"quarantine_ratio"}, failed
+    meta = checks["quarantine_ratio"].metadata
+    bad_hour = (RATIO_START + timedelta(hours=2)).isoformat()
+    assert meta["ratio"].value < 0.05
+    assert meta["worst_hour"].value == bad_hour
+    assert meta["hours_over_limit"].value == [bad_hour]
+    assert bad_hour in str(checks["quarantine_ratio"].description)
+    # Nothing was published: main has no snapshot (or no rows) for this fresh table.
+    main = _main_snapshot(spark_session, table)
+    assert main is None or spark_session.table(table).count() == 0
