@@ -35,13 +35,14 @@ from backfill_assets.lake.archive import Archive
 from backfill_assets.lake.content import RecordDecoder
 from backfill_assets.lake.wap import SUMMARY_PREFIX, Branch, open_branch, ref_sql
 from backfill_assets.lake.windows import Decode, Windows, scan
-from backfill_assets.spec.model import SPARK_TYPES, TopicSpec
+from backfill_assets.spec.model import SPARK_TYPES, ColumnSpec, TopicSpec
 from backfill_assets.stack import faults
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
     from pyspark.sql import Column, DataFrame, SparkSession
 
+    from backfill_assets.spec.transforms import StrictReader
     from backfill_assets.stack.catalog import CatalogClient
     from backfill_assets.stack.kafka import KafkaClient
     from backfill_assets.stack.settings import Settings
@@ -401,7 +402,6 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
 
     from backfill_assets.spec.transforms import StrictReader, json_field, reading
 
-    value_str = F.col("value").cast("string")
     v = F.col("_v")
     # The upcasters' fields are read by one strict JVM pass over the text (StrictReader); it
     # also says whether the text is exactly one JSON value and whether that is an object.
@@ -413,6 +413,58 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
             version_expr = json_field(v, f"$.{spec.version_field}", "int")
         upcast = {ver: spec.upcaster(ver)(v) for ver in spec.versions}
         present = reader.field(f"$.{spec.key_field}", "present")
+    df, kafka_cols = _payload_stage(raw, reader)
+    df = df.select(
+        *kafka_cols,
+        "_j",
+        "_v",
+        version_expr.alias("schema_version"),
+        F.coalesce(reader.is_object(), F.lit(False)).alias("_object"),
+    )
+    version = F.col("schema_version")
+    typed = _typed_columns(spec, upcast, version)
+    col_names = [c.name for c in spec.columns]
+    df = df.select(*kafka_cols, "_j", "_v", "schema_version", "_object", *typed)
+    # The key stands in for a key field the payload lacks (tombstones), if it is UTF-8 text.
+    key_str = F.col("kafka_key").cast("string")
+    if present is None:
+        absent = F.try_variant_get(v, f"$.{spec.key_field}", "variant").isNull()
+    else:
+        absent = ~F.coalesce(present, F.lit(False))
+    key_text = F.when(absent & F.is_valid_utf8(key_str), key_str)
+    df = df.select(
+        *kafka_cols,
+        (~F.coalesce(reader.whole(), F.lit(False))).alias("_invalid_json"),
+        "schema_version",
+        "_object",
+        *[
+            F.coalesce(F.col(name), key_text).alias(name) if name == spec.key_field else name
+            for name in col_names
+        ],
+    )
+    reason = _reason(spec, version)
+    df = df.select(*kafka_cols, "schema_version", *col_names, reason.alias("_reason")).select(
+        *[
+            # Only quarantine rows keep the value bytes (the table does not store them): the
+            # cache holds what the two writes need, no more.
+            F.when(F.col("_reason").isNotNull(), F.col(c)).alias(c) if c == "kafka_value" else c
+            for c in kafka_cols
+        ],
+        "schema_version",
+        *col_names,
+        "_reason",
+        F.lit(run_id).alias("ingest_run_id"),
+    )
+    parsed = cache(df)
+    return _rows(parsed, col_names), _quarantine(parsed), parsed
+
+
+def _payload_stage(raw: DataFrame, reader: StrictReader) -> tuple[DataFrame, list[str]]:
+    """The Kafka columns, the strict reader's struct ``_j`` and the payload as VARIANT ``_v``
+    (NULL unless the text is exactly one JSON value); and the names of the Kafka columns."""
+    from pyspark.sql import functions as F
+
+    value_str = F.col("value").cast("string")
     # A field the JVM reader cannot read (an upcaster's own VARIANT expression) reads ``_v``,
     # the payload as VARIANT; unused, Spark prunes it and the text is parsed once.
     # Spark's JSON parser stops after the first value, so '{...} junk' or '{...}{...}' would
@@ -439,14 +491,15 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
     df = df.select(
         *kafka_cols, "_j", F.when(whole, F.try_variant_get(w, "$[0]", "variant")).alias("_v")
     )
-    df = df.select(
-        *kafka_cols,
-        "_j",
-        "_v",
-        version_expr.alias("schema_version"),
-        F.coalesce(reader.is_object(), F.lit(False)).alias("_object"),
-    )
-    version = F.col("schema_version")
+    return df, kafka_cols
+
+
+def _typed_columns(
+    spec: TopicSpec, upcast: dict[int, dict[str, Column]], version: Column
+) -> list[Column]:
+    """Each spec column as its type, read by the upcaster of the record's schema version."""
+    from pyspark.sql import functions as F
+
     versions = spec.versions
     typed: list[Column] = []
     for col in spec.columns:
@@ -466,25 +519,14 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
             assert case is not None
             expr = case
         typed.append(expr.cast(SPARK_TYPES[col.type]).alias(col.name))
-    col_names = [c.name for c in spec.columns]
-    df = df.select(*kafka_cols, "_j", "_v", "schema_version", "_object", *typed)
-    # The key stands in for a key field the payload lacks (tombstones), if it is UTF-8 text.
-    key_str = F.col("kafka_key").cast("string")
-    if present is None:
-        absent = F.try_variant_get(v, f"$.{spec.key_field}", "variant").isNull()
-    else:
-        absent = ~F.coalesce(present, F.lit(False))
-    key_text = F.when(absent & F.is_valid_utf8(key_str), key_str)
-    df = df.select(
-        *kafka_cols,
-        (~F.coalesce(reader.whole(), F.lit(False))).alias("_invalid_json"),
-        "schema_version",
-        "_object",
-        *[
-            F.coalesce(F.col(name), key_text).alias(name) if name == spec.key_field else name
-            for name in col_names
-        ],
-    )
+    return typed
+
+
+def _reason(spec: TopicSpec, version: Column) -> Column:
+    """The quarantine reason of a record (NULL for a row): :data:`QUARANTINE_RULES`, first
+    match wins, then each column's contract."""
+    from pyspark.sql import functions as F
+
     size = F.coalesce(F.length("kafka_key"), F.lit(0)) + F.coalesce(
         F.length("kafka_value"), F.lit(0)
     )
@@ -503,36 +545,36 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
     reason = reason.when(F.col("_invalid_json"), F.lit("invalid_json"))
     reason = reason.when(~F.col("_object"), F.lit("not_json_object"))
     reason = reason.when(
-        version.isNull() | ~version.isin(versions),
+        version.isNull() | ~version.isin(spec.versions),
         F.concat(F.lit("unknown_schema_version:"), F.coalesce(version.cast("string"), F.lit("?"))),
     )
     for col in spec.columns:
-        c = F.col(col.name)
-        if not col.nullable:
-            reason = reason.when(c.isNull(), F.lit(f"missing_or_invalid:{col.name}"))
-        if col.allowed is not None:
-            reason = reason.when(~c.isin(list(col.allowed)), F.lit(f"not_allowed:{col.name}"))
-        if col.min is not None:
-            reason = reason.when(c < F.lit(col.min), F.lit(f"below_min:{col.name}"))
-        if col.max is not None:
-            reason = reason.when(c > F.lit(col.max), F.lit(f"above_max:{col.name}"))
-        if col.type == "timestamp":
-            lo, hi = (F.to_timestamp(F.lit(t)) for t in TIMESTAMP_RANGE)
-            reason = reason.when((c < lo) | (c >= hi), F.lit(f"out_of_range:{col.name}"))
-    df = df.select(*kafka_cols, "schema_version", *col_names, reason.alias("_reason")).select(
-        *[
-            # Only quarantine rows keep the value bytes (the table does not store them): the
-            # cache holds what the two writes need, no more.
-            F.when(F.col("_reason").isNotNull(), F.col(c)).alias(c) if c == "kafka_value" else c
-            for c in kafka_cols
-        ],
-        "schema_version",
-        *col_names,
-        "_reason",
-        F.lit(run_id).alias("ingest_run_id"),
-    )
-    parsed = df = cache(df)
-    quarantine = df.where(F.col("_reason").isNotNull()).select(
+        reason = _column_rules(reason, col)
+    return reason
+
+
+def _column_rules(reason: Column, col: ColumnSpec) -> Column:
+    from pyspark.sql import functions as F
+
+    c = F.col(col.name)
+    if not col.nullable:
+        reason = reason.when(c.isNull(), F.lit(f"missing_or_invalid:{col.name}"))
+    if col.allowed is not None:
+        reason = reason.when(~c.isin(list(col.allowed)), F.lit(f"not_allowed:{col.name}"))
+    if col.min is not None:
+        reason = reason.when(c < F.lit(col.min), F.lit(f"below_min:{col.name}"))
+    if col.max is not None:
+        reason = reason.when(c > F.lit(col.max), F.lit(f"above_max:{col.name}"))
+    if col.type == "timestamp":
+        lo, hi = (F.to_timestamp(F.lit(t)) for t in TIMESTAMP_RANGE)
+        reason = reason.when((c < lo) | (c >= hi), F.lit(f"out_of_range:{col.name}"))
+    return reason
+
+
+def _quarantine(parsed: DataFrame) -> DataFrame:
+    from pyspark.sql import functions as F
+
+    return parsed.where(F.col("_reason").isNotNull()).select(
         "topic",
         "kafka_partition",
         "kafka_offset",
@@ -544,10 +586,14 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
         F.col("_reason").alias("reason"),
         "ingest_run_id",
     )
+
+
+def _rows(parsed: DataFrame, col_names: list[str]) -> DataFrame:
+    """The table's rows; tombstones carry only the key (their payload columns stay NULL)."""
+    from pyspark.sql import functions as F
+
     table_cols = [name for name, _ in KAFKA_COLUMNS] + col_names
-    rows = df.where(F.col("_reason").isNull()).select(*table_cols, "ingest_run_id")
-    # Tombstones carry only the key; their payload columns stay NULL.
-    return rows, quarantine, parsed
+    return parsed.where(F.col("_reason").isNull()).select(*table_cols, "ingest_run_id")
 
 
 def checksum_expr(spec: TopicSpec) -> Column:

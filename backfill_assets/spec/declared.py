@@ -186,9 +186,21 @@ def _check_current(spec: TopicSpec, known: dict[str, Relation], path: Path) -> N
 def _check_table(
     spec: TopicSpec, table: TableSpec, known: dict[str, Relation], path: Path
 ) -> TableSpec:
-    from sqlglot import exp
-
+    """``table`` with the relations its SQL reads, or a :class:`SpecError` naming the first
+    problem: window parameters, relations, selected columns and types, source, measures."""
     where = f"{path}: topic {spec.topic!r}, table {table.name!r}"
+    _check_params(table, where)
+    query = _parse(
+        render(table.sql, datetime.fromtimestamp(0, UTC), datetime.fromtimestamp(3600, UTC)), where
+    )
+    refs = _refs(query, table, known, where)
+    _check_outputs(table, _qualify(query, known, where), where)
+    _check_source(table, known, refs, where)
+    _check_measures(spec, table, known, where)
+    return table.model_copy(update={"refs": tuple(refs)})
+
+
+def _check_params(table: TableSpec, where: str) -> None:
     params = _PARAM.findall(table.sql)
     for param in WINDOW_PARAMS:
         if param not in params:
@@ -202,9 +214,12 @@ def _check_table(
             f"{where}: unknown parameter(s) {', '.join('{' + p + '}' for p in unknown_params)} "
             "in the SQL; allowed: {start}, {end}"
         )
-    query = _parse(
-        render(table.sql, datetime.fromtimestamp(0, UTC), datetime.fromtimestamp(3600, UTC)), where
-    )
+
+
+def _refs(query: exp.Query, table: TableSpec, known: dict[str, Relation], where: str) -> list[str]:
+    """The relations the SQL reads, in order (its own CTEs left out)."""
+    from sqlglot import exp
+
     ctes = {c.alias_or_name for c in query.find_all(exp.CTE)}
     refs: list[str] = []
     for node in query.find_all(exp.Table):
@@ -223,7 +238,11 @@ def _check_table(
             raise SpecError(f"{where}: reads itself")
         if node.name not in refs:
             refs.append(node.name)
-    typed = _qualify(query, known, where)
+    return refs
+
+
+def _check_outputs(table: TableSpec, typed: exp.Query, where: str) -> None:
+    """The SQL selects exactly the declared columns, each of a compatible type."""
     outputs = {s.alias_or_name: s for s in typed.selects}
     declared = [c.name for c in table.columns]
     missing = [c for c in declared if c not in outputs]
@@ -251,6 +270,11 @@ def _check_table(
             f"{where}: column {column.name!r} is declared {column.type} but the SQL gives "
             f"{_sql_type(outputs[column.name].type)}; change the declaration or cast"
         )
+
+
+def _check_source(
+    table: TableSpec, known: dict[str, Relation], refs: list[str], where: str
+) -> None:
     source = known.get(table.source)
     if source is None or source.kind == "current" or source.name == table.name:
         allowed = sorted(n for n, r in known.items() if r.kind != "current" and n != table.name)
@@ -260,6 +284,12 @@ def _check_table(
         )
     if table.source not in refs:
         raise SpecError(f"{where}: source {table.source!r} is not read by its SQL")
+
+
+def _check_measures(
+    spec: TopicSpec, table: TableSpec, known: dict[str, Relation], where: str
+) -> None:
+    """Each measure's two sides are valid SQL over the table and over its source."""
     own = Relation(
         table.name,
         "table",
@@ -278,7 +308,6 @@ def _check_table(
             known,
             f"{where}: measure {m.name!r} (source side `{m.source}`)",
         )
-    return table.model_copy(update={"refs": tuple(refs)})
 
 
 ColumnLineage = dict[str, tuple[tuple[str, str], ...]]
