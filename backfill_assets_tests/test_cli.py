@@ -19,6 +19,7 @@ from click.testing import CliRunner
 
 from backfill_assets.lake.rollback import HourRestore, RollbackResult
 from backfill_assets.ops import cli
+from backfill_assets.ops.cli import common, rollback
 from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import Settings
 
@@ -126,7 +127,7 @@ def closed_kafka(stack_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> 
         sock.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{sock.getsockname()[1]}"
     monkeypatch.setenv("BACKFILL_KAFKA_BOOTSTRAP", address)
-    monkeypatch.setattr(cli, "_kafka", lambda: KafkaClient(request_timeout_s=2.0))
+    monkeypatch.setattr(common, "kafka", lambda: KafkaClient(request_timeout_s=2.0))
     yield address
 
 
@@ -237,7 +238,7 @@ def test_rollback_is_recorded_per_asset_partition(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
-    report = cli._report_rollback(_undone(), what="backfill bf1", backfill_id="bf1")
+    report = rollback._report_rollback(_undone(), what="backfill bf1", backfill_id="bf1")
     assert report == {
         "recorded": True,
         "dagster_home": str(tmp_path),
@@ -264,7 +265,7 @@ def test_rollback_is_recorded_per_asset_partition(
 
 def test_rollback_without_an_instance_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DAGSTER_HOME", raising=False)
-    report = cli._report_rollback(_undone(), what="run run-b", backfill_id=None)
+    report = rollback._report_rollback(_undone(), what="run run-b", backfill_id=None)
     assert report["recorded"] is False and "DAGSTER_HOME is not set" in report["reason"]
 
 
