@@ -54,6 +54,14 @@ def test_every_command_is_there() -> None:
     ]
 
 
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    code, out, err = _run(capsys, "--version")
+    assert code == 0 and err == ""
+    assert out == f"backfill-assets {version('backfill_assets')}\n"
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_help_of_every_command_lists_json(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, command, "--help")

@@ -15,6 +15,7 @@ this package; the library reports progress through plain callbacks.
 from __future__ import annotations
 
 import warnings
+from importlib import metadata
 from typing import IO, Any
 
 import click
@@ -50,9 +51,20 @@ class _Group(click.Group):
             raise AnticipatedError(_message(exc)) from None
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's ``version``)."""
+    try:
+        return metadata.version("backfill_assets")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed: `pip install -e .`)"
+
+
 @click.group(
     cls=_Group,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
+@click.version_option(
+    _version(), "--version", prog_name="backfill-assets", message="%(prog)s %(version)s"
 )
 def cli() -> None:
     """Safe Kafka -> Iceberg backfills with Dagster."""
