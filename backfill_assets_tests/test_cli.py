@@ -1,7 +1,7 @@
 """The operator CLI: every command takes --json and prints one document; anticipated failures
-and wrong arguments exit 2 with a message naming what is wrong (never a traceback); a rollback
-is recorded in the Dagster instance. Cheap: in-process, no Spark, the session's broker and
-catalog only where a command reads them."""
+print a message naming what is wrong (never a traceback) and exit 2 (wrong arguments), 3 (a
+service unavailable) or 4 (refused or failed); a rollback is recorded in the Dagster instance.
+Cheap: in-process, no Spark, the session's broker and catalog only where a command reads them."""
 
 from __future__ import annotations
 
@@ -151,9 +151,37 @@ def test_an_unreachable_kafka_is_an_error_not_a_traceback(
 ) -> None:
     monkeypatch.delenv("DAGSTER_HOME", raising=False)
     code, out, err = _run(capsys, *args)
-    assert code == 2
+    assert code == 3
     assert err.startswith(f"error: Kafka at {closed_kafka} did not answer"), err
     assert "Traceback" not in err and out == ""
+
+
+def test_usage_unavailable_and_refused_exit_with_documented_statuses(
+    closed_kafka: str,
+    iceberg_catalog: Catalog,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A wrong argument, a service that does not answer (Kafka, the webserver) and a refusal
+    exit with three different statuses, each listed in the root command's help."""
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    wrong, _, err = _run(capsys, "plan", "--start", "soon", "--end", "later")
+    assert err.startswith("error: --start 'soon' is not an ISO-8601 time"), err
+    no_kafka, _, err = _run(capsys, "gaps")
+    assert err.startswith(f"error: Kafka at {closed_kafka} did not answer"), err
+    no_webserver, _, err = _run(capsys, "backfill", *RANGE, "--webserver", f"http://{closed_kafka}")
+    assert err.startswith("error: cannot reach the Dagster webserver"), err
+    refused, _, err = _run(capsys, "rollback", "--run", "no-such-run")
+    assert err.startswith("error: no successful publish of run no-such-run"), err
+    assert (wrong, no_kafka, no_webserver, refused) == (2, 3, 3, 4)
+    code, out, _ = _run(capsys, "--help")
+    assert code == 0
+    for status, meaning in (
+        (2, "wrong arguments"),
+        (3, "a service is unavailable"),
+        (4, "refused"),
+    ):
+        assert f"\n    {status}  {meaning}" in out, out
 
 
 @pytest.fixture
@@ -220,7 +248,7 @@ def test_rollback_of_nothing_published_changes_nothing(
 ) -> None:
     for extra in (["--dry-run"], ["--dry-run", "--json"], []):
         code, out, err = _run(capsys, "rollback", "--run", "no-such-run", *extra)
-        assert code == 2 and out == ""
+        assert code == 4 and out == ""
         assert err.startswith("error: no successful publish of run no-such-run")
 
 

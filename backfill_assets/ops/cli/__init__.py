@@ -1,10 +1,11 @@
 """``backfill-assets``: the operator's command line (click for arguments, rich for output).
 
-Every failure the project anticipates (a :class:`~backfill_assets.errors.BackfillError`, or a
-``dg.Failure`` raised by the Kafka resource) prints ``error: <message>`` on stderr, saying what
-to run next, and exits with status 2; so do wrong arguments (click's usage message names what is
-allowed). ``--json`` on every command prints exactly one JSON document on stdout and nothing
-else there; progress bars and notes always go to stderr (:mod:`.output`).
+Every failure the project anticipates (a :class:`~backfill_assets.errors.BackfillError`)
+prints ``error: <message>`` on stderr, saying what to run next, and exits with the status of
+its ``kind`` (:class:`~.common.Exit`): 2 wrong arguments or settings (as click's usage errors),
+3 a service unavailable, 4 refused or failed.
+``--json`` on every command prints exactly one JSON document on stdout and nothing else there;
+progress bars and notes always go to stderr (:mod:`.output`).
 
 This package holds the root group and :func:`main`; the commands are in one module per group
 (:mod:`.stack`, :mod:`.backfill`, :mod:`.rollback`, :mod:`.upkeep`), what they share in
@@ -21,34 +22,45 @@ from typing import IO, Any
 import click
 import dagster as dg
 
-from backfill_assets.errors import BackfillError
+from backfill_assets.errors import BackfillError, ErrorKind
 from backfill_assets.ops.cli import backfill, rollback, stack, upkeep
+from backfill_assets.ops.cli.common import Exit
 from backfill_assets.ops.cli.output import Ui
 
-__all__ = ["AnticipatedError", "Ui", "cli", "main"]
+__all__ = ["AnticipatedError", "Exit", "Ui", "cli", "main"]
 
 
 class AnticipatedError(click.ClickException):
-    """A BackfillError or a Kafka resource failure: ``error: <message>``, exit status 2."""
+    """A BackfillError: ``error: <message>`` and exit status 4 (refused or failed); its
+    subclasses exit 2 and 3."""
 
-    exit_code = 2
+    exit_code = Exit.FAILED
 
     def show(self, file: IO[Any] | None = None) -> None:
         click.echo(f"error: {self.format_message()}", err=True)
 
 
-def _message(exc: BaseException) -> str:
-    if isinstance(exc, dg.Failure) and exc.description:
-        return exc.description
-    return str(exc)
+class _WrongArgument(AnticipatedError):
+    exit_code = Exit.USAGE
+
+
+class _Unavailable(AnticipatedError):
+    exit_code = Exit.UNAVAILABLE
+
+
+ERRORS: dict[ErrorKind, type[AnticipatedError]] = {
+    "usage": _WrongArgument,
+    "unavailable": _Unavailable,
+    "failed": AnticipatedError,
+}
 
 
 class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (BackfillError, dg.Failure) as exc:
-            raise AnticipatedError(_message(exc)) from None
+        except BackfillError as exc:
+            raise ERRORS[exc.kind](str(exc)) from None
 
 
 def _version() -> str:
@@ -67,7 +79,19 @@ def _version() -> str:
     _version(), "--version", prog_name="backfill-assets", message="%(prog)s %(version)s"
 )
 def cli() -> None:
-    """Safe Kafka -> Iceberg backfills with Dagster."""
+    """Safe Kafka -> Iceberg backfills with Dagster.
+
+    \b
+    Exit status:
+      0  done
+      1  the command's answer is no: a red score in `plan`, gaps due in `gaps`, a broker that
+         does not answer `kafka status`
+      2  wrong arguments or settings; the message says what is allowed
+      3  a service is unavailable: Kafka, the local stack, the catalog or the webserver did
+         not answer; run again once it is back
+      4  refused or failed: a check or a guard refused (e.g. a rollback that would discard
+         later publishes), or a run, a backfill or a maintenance step failed
+    """
 
 
 for _command in (
@@ -89,8 +113,7 @@ for _command in (
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The console script: run one command, return its exit status (2: anticipated failure or
-    wrong arguments; 1: the command's own "not OK", e.g. a red plan or a failed backfill)."""
+    """The console script: run one command, return its exit status (:class:`~.common.Exit`)."""
     # Dagster flags beta parameters (backfill_policy) on every load; operators need not see it.
     warnings.filterwarnings("ignore", category=dg.BetaWarning)
     warnings.filterwarnings("ignore", category=dg.PreviewWarning)
@@ -101,5 +124,5 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except click.Abort:
         click.echo("aborted", err=True)
-        return 1
+        return Exit.NOT_OK
     return int(result or 0)

@@ -17,6 +17,7 @@ import dagster as dg
 from backfill_assets.ops.cli import common, output
 from backfill_assets.ops.cli.common import (
     PARTITION_FMT,
+    Exit,
     backfill_concurrency,
     hours,
     parse_duration,
@@ -41,7 +42,7 @@ def materialize_command(ui: Ui, settings: Settings, topic: str, start: str, end:
 
     Runs on the Dagster instance of $DAGSTER_HOME (the runs show in the UI), in dependency
     order: raw and current-state tables cover [start, end); each declared table covers the
-    event-time hours whose events have all arrived within the range. Exits 1 if a run fails.
+    event-time hours whose events have all arrived within the range. Exits 4 if a run fails.
     """
     from backfill_assets.defs.definitions import defs
 
@@ -78,7 +79,7 @@ def materialize_command(ui: Ui, settings: Settings, topic: str, start: str, end:
             if not result.success:
                 ui.emit({"topic": spec.topic, "succeeded": False, "runs": runs})
                 ui.note(f"error: run {result.run_id} failed; see it in the Dagster UI")
-                return 1
+                return Exit.FAILED
             done += hours(first, stop) * len(keys)
             update(done, None)
             ui.line(f"run {result.run_id} succeeded")
@@ -117,7 +118,7 @@ def plan_command(
         for s in plan.scorecard:
             output.row(scores, s.color, s.dimension, s.reason)
         ui.table(scores)
-    return 0 if all(s.color != "red" for s in plan.scorecard) else 1
+    return Exit.OK if all(s.color != "red" for s in plan.scorecard) else Exit.NOT_OK
 
 
 def _plan_facts(human: str) -> tuple[str, Table]:
@@ -163,7 +164,7 @@ def backfill_command(
     as_backfill: bool,
 ) -> int:
     """Launch a Dagster partition backfill (as the UI does); a single hour is launched as one run
-    unless --as-backfill. With --wait, exits 1 unless every asset partition succeeded."""
+    unless --as-backfill. With --wait, exits 4 unless every asset partition succeeded."""
     from backfill_assets.ops import launch
 
     client = launch.DagsterClient(
@@ -187,7 +188,7 @@ def backfill_command(
             f"asset partition(s); open it in the Dagster UI ({where}) for the failed checks and "
             f"runs, then `backfill-assets audit {audit_flag} {launched_id}`"
         )
-        return 1
+        return Exit.FAILED
     return 0
 
 

@@ -4,6 +4,7 @@ options, the parsing of hours, durations and table names, and the spec and Kafka
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import os
 import sys
@@ -16,7 +17,7 @@ import click
 import dagster as dg
 import yaml
 
-from backfill_assets.errors import BackfillError
+from backfill_assets.errors import ArgumentError
 from backfill_assets.ops.cli.output import Ui
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
@@ -25,6 +26,16 @@ if TYPE_CHECKING:
     from backfill_assets.stack.kafka import KafkaClient
 
 PARTITION_FMT = "%Y-%m-%d-%H:%M"  # Dagster's hourly partition keys
+
+
+class Exit(enum.IntEnum):
+    """The exit statuses of every command (listed in ``backfill-assets --help`` and README)."""
+
+    OK = 0
+    NOT_OK = 1  # the command's own answer is no: a red plan, gaps due, a silent broker
+    USAGE = 2  # wrong arguments or settings (click's own status for wrong arguments)
+    UNAVAILABLE = 3  # Kafka, the local stack, the catalog or the webserver did not answer
+    FAILED = 4  # a check or a guard refused, or a run, a backfill or a step failed
 
 
 def with_ui(fn: Callable[..., int]) -> Callable[..., int]:
@@ -79,7 +90,7 @@ def specs() -> dict[str, TopicSpec]:
 def spec(topic: str) -> TopicSpec:
     found = specs()
     if topic not in found:
-        raise BackfillError(f"unknown topic {topic!r}; topics.yaml has: {', '.join(found)}")
+        raise ArgumentError(f"unknown topic {topic!r}; topics.yaml has: {', '.join(found)}")
     return found[topic]
 
 
@@ -106,14 +117,14 @@ def topic_range(topic: str, start: str, end: str) -> tuple[TopicSpec, datetime, 
     first, stop = parse_hour(start, "--start"), parse_hour(end, "--end")
     found = spec(topic)
     if stop <= first:
-        raise BackfillError("--end must be after --start (the range is [start, end))")
+        raise ArgumentError("--end must be after --start (the range is [start, end))")
     if first < found.partition_start:
-        raise BackfillError(
+        raise ArgumentError(
             f"--start {first.isoformat()} is before the first partition of {topic!r} "
             f"({found.partition_start.isoformat()})"
         )
     if stop > datetime.now(UTC).replace(minute=0, second=0, microsecond=0):
-        raise BackfillError(
+        raise ArgumentError(
             f"--end {stop.isoformat()} is in an hour that has not closed yet; "
             "backfill only hours that have ended"
         )
@@ -150,7 +161,7 @@ def backfill_concurrency() -> int:
 def parse_duration(text: str) -> timedelta:
     units = {"m": 60, "h": 3600, "d": 86400}
     if len(text) < 2 or text[-1] not in units or not text[:-1].isdigit():
-        raise BackfillError(f"--window {text!r} is not a duration; use e.g. 90m, 6h or 2d")
+        raise ArgumentError(f"--window {text!r} is not a duration; use e.g. 90m, 6h or 2d")
     return timedelta(seconds=int(text[:-1]) * units[text[-1]])
 
 
@@ -158,11 +169,11 @@ def parse_hour(text: str, flag: str) -> datetime:
     try:
         value = datetime.fromisoformat(text)
     except ValueError:
-        raise BackfillError(
+        raise ArgumentError(
             f"{flag} {text!r} is not an ISO-8601 time; use e.g. 2026-01-01T00:00:00+00:00"
         ) from None
     if value.tzinfo is None:
         value = value.replace(tzinfo=UTC)
     if value.minute or value.second or value.microsecond:
-        raise BackfillError(f"{flag} {text!r} must be on a whole hour, e.g. 2026-01-01T05:00Z")
+        raise ArgumentError(f"{flag} {text!r} must be on a whole hour, e.g. 2026-01-01T05:00Z")
     return value.astimezone(UTC)

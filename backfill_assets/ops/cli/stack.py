@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from backfill_assets.ops.cli.common import parse_hour, topic_option, with_ui
+from backfill_assets.ops.cli.common import Exit, parse_hour, topic_option, with_ui
 from backfill_assets.ops.cli.output import Ui
 from backfill_assets.stack import catalog, jars
 from backfill_assets.stack.broker import LocalBroker
@@ -21,7 +21,7 @@ from backfill_assets.stack.settings import Settings
 @with_ui
 def jars_command(ui: Ui, settings: Settings, action: str) -> int:
     """Resolve JVM artifacts from Maven Central (idempotent); ``cds`` builds the Spark driver's
-    class-data-sharing archive from them (idempotent; exits 1 if it cannot, and Spark then
+    class-data-sharing archive from them (idempotent; exits 4 if it cannot, and Spark then
     starts without it)."""
     if action == "cds":
         from backfill_assets.stack import cds
@@ -32,7 +32,7 @@ def jars_command(ui: Ui, settings: Settings, action: str) -> int:
                 path, built = cds.build(settings)
         except cds.CdsError as err:
             ui.note(f"error: {err}")
-            return 1
+            return Exit.FAILED
         state = f"built in {time.monotonic() - began:.0f}s" if built else "already built"
         ui.line(f"Spark driver CDS archive: {state} ({path})")
         ui.emit({"path": str(path), "built": built})
@@ -75,7 +75,7 @@ def kafka_command(ui: Ui, settings: Settings, action: str) -> int:
         status = broker.status()
     ui.line(status.describe())
     ui.emit(asdict(status))
-    return 0 if action == "start" or status.responding else 1
+    return Exit.OK if action == "start" or status.responding else Exit.NOT_OK
 
 
 @click.command("catalog")

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 import click
 import dagster as dg
 
-from backfill_assets.errors import BackfillError
+from backfill_assets.errors import ArgumentError
 from backfill_assets.ops.cli import common, output
+from backfill_assets.ops.cli.common import Exit, specs, topic_option, with_ui
 from backfill_assets.ops.cli.common import spec as spec_of
-from backfill_assets.ops.cli.common import specs, topic_option, with_ui
 from backfill_assets.ops.cli.output import Ui
 from backfill_assets.stack import catalog
 from backfill_assets.stack.settings import Settings
@@ -36,7 +36,7 @@ def archive_command(ui: Ui, settings: Settings, topic: str, status: bool) -> int
     known = specs()
     spec = known.get(topic)
     if spec is None:
-        raise BackfillError(f"unknown topic {topic!r}; topics.yaml defines: {', '.join(known)}")
+        raise ArgumentError(f"unknown topic {topic!r}; topics.yaml defines: {', '.join(known)}")
     kafka = common.kafka()
     if status:
         _archive_status(ui, settings, spec, kafka)
@@ -103,7 +103,7 @@ def _archive_status(ui: Ui, settings: Settings, spec: TopicSpec, kafka: Any) -> 
 def maintain_command(ui: Ui, settings: Settings, tables: tuple[str, ...]) -> int:
     """One maintenance pass per table, as the scheduled maintain_* jobs run it (retentions:
     BACKFILL_MAINTENANCE_*; infra/README.md). Each pass is appended to the audit table.
-    Exits 1 if a step failed (the others still ran)."""
+    Exits 4 if a step failed (the others still ran)."""
     from backfill_assets.lake import maintenance
     from backfill_assets.stack import spark as spark_mod
 
@@ -142,7 +142,7 @@ def maintain_command(ui: Ui, settings: Settings, tables: tuple[str, ...]) -> int
             reports[table] = report.as_dict()
             ui.line(report.summary())
     ui.emit({"tables": reports, "failed": failures})
-    return 1 if failures else 0
+    return Exit.FAILED if failures else Exit.OK
 
 
 def _maintained_tables(tables: tuple[str, ...]) -> list[str]:
@@ -153,7 +153,7 @@ def _maintained_tables(tables: tuple[str, ...]) -> list[str]:
     known = {name: target for target in targets for name in (target.name, *target.tables)}
     unknown = [t for t in tables if t not in known]
     if unknown:
-        raise BackfillError(
+        raise ArgumentError(
             f"unknown table(s) {', '.join(map(repr, unknown))}; maintainable: "
             + ", ".join(sorted(known))
         )
@@ -199,7 +199,7 @@ def gaps_command(ui: Ui, settings: Settings, topic: str, horizon_hours: int) -> 
     if table.rows:
         ui.table(table)
     empty = not (found.raw_gaps or found.current_gaps or doc["tables_due"] or late)
-    return 0 if empty else 1
+    return Exit.OK if empty else Exit.NOT_OK
 
 
 def _gaps_doc(
