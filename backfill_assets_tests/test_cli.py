@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import socket
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -303,6 +304,66 @@ def test_rollback_without_an_instance_says_so(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.delenv("DAGSTER_HOME", raising=False)
     report = rollback._report_rollback(_undone(), what="run run-b", backfill_id=None)
     assert report["recorded"] is False and "DAGSTER_HOME is not set" in report["reason"]
+
+
+# -- the Dagster home of a command run from the repository -----------------------------------
+
+
+def test_dagster_home_defaults_to_a_dagster_yaml_found(tmp_path: Path) -> None:
+    repo, elsewhere = tmp_path / "repo", tmp_path / "elsewhere"
+    repo.mkdir()
+    elsewhere.mkdir()
+    (repo / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    search = (elsewhere, repo)
+    assert cli.dagster_home_defaults({}, search) == {
+        "DAGSTER_HOME": str(repo),
+        "BACKFILL_DAGSTER_STORAGE": str(repo / ".stack" / "dagster"),
+    }
+    state = tmp_path / "state"
+    assert cli.dagster_home_defaults({"BACKFILL_HOME": str(state)}, search) == {
+        "DAGSTER_HOME": str(repo),
+        "BACKFILL_DAGSTER_STORAGE": str(state / "dagster"),
+    }
+    given = {"BACKFILL_DAGSTER_STORAGE": "/srv/dagster"}
+    assert cli.dagster_home_defaults(given, search) == {"DAGSTER_HOME": str(repo)}
+    assert cli.dagster_home_defaults({"DAGSTER_HOME": str(elsewhere)}, search) == {}
+    assert cli.dagster_home_defaults({}, (elsewhere,)) == {}
+
+
+def test_dagster_home_of_the_repository_is_the_scripts_and_settings_one() -> None:
+    """From the repository root: the directory scripts/demo.sh and scripts/test.sh export, and
+    the storage the settings module defaults to (under BACKFILL_HOME, else .stack)."""
+    from backfill_assets.stack.settings import REPO_ROOT
+
+    found = cli.dagster_home_defaults({}, (REPO_ROOT,))
+    assert found["DAGSTER_HOME"] == str(REPO_ROOT)
+    settings = Settings.from_env({})
+    assert found["BACKFILL_DAGSTER_STORAGE"] == str(settings.dagster_storage)
+
+
+def test_a_command_run_from_the_repository_uses_its_dagster_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No export needed: the command sees the default; the caller's environment is unchanged."""
+    import click
+
+    (tmp_path / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "dagster_home_dirs", lambda: (Path.cwd(),))
+    for name in ("DAGSTER_HOME", "BACKFILL_DAGSTER_STORAGE", "BACKFILL_HOME"):
+        monkeypatch.delenv(name, raising=False)
+
+    @click.command("probe")
+    def probe() -> int:
+        with dg.DagsterInstance.get() as instance:
+            click.echo(f"{instance.root_directory} {os.environ['BACKFILL_DAGSTER_STORAGE']}")
+        return 0
+
+    monkeypatch.setitem(cli.cli.commands, "probe", probe)
+    code, out, err = _run(capsys, "probe")
+    assert code == 0, err
+    assert out.split() == [str(tmp_path), str(tmp_path / ".stack" / "dagster")]
+    assert "DAGSTER_HOME" not in os.environ and "BACKFILL_DAGSTER_STORAGE" not in os.environ
 
 
 def test_progress_on_a_terminal_shows_count_rate_and_eta() -> None:

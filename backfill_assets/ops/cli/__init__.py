@@ -15,8 +15,12 @@ this package; the library reports progress through plain callbacks.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import warnings
+from collections.abc import Iterator, Mapping
 from importlib import metadata
+from pathlib import Path
 from typing import IO, Any
 
 import click
@@ -26,6 +30,7 @@ from backfill_assets.errors import BackfillError, ErrorKind
 from backfill_assets.ops.cli import backfill, rollback, stack, upkeep
 from backfill_assets.ops.cli.common import Exit
 from backfill_assets.ops.cli.output import Ui
+from backfill_assets.stack.settings import REPO_ROOT
 
 __all__ = ["AnticipatedError", "Exit", "Ui", "cli", "main"]
 
@@ -63,6 +68,45 @@ class _Group(click.Group):
             raise ERRORS[exc.kind](str(exc)) from None
 
 
+def dagster_home_dirs() -> tuple[Path, ...]:
+    """Where the CLI looks for a dagster.yaml when DAGSTER_HOME is unset: the current directory,
+    then the repository the package runs from (tests replace this to keep it out)."""
+    return (Path.cwd(), REPO_ROOT)
+
+
+def dagster_home_defaults(
+    environ: Mapping[str, str], search: tuple[Path, ...] | None = None
+) -> dict[str, str]:
+    """DAGSTER_HOME and BACKFILL_DAGSTER_STORAGE for a command run from the repository, as
+    scripts/demo.sh sets them: when DAGSTER_HOME is unset, the first directory of ``search``
+    (:func:`dagster_home_dirs`) that has a dagster.yaml, and, unless BACKFILL_DAGSTER_STORAGE is
+    set, ``${BACKFILL_HOME:-<that directory>/.stack}/dagster``. Nothing when DAGSTER_HOME is
+    set or no dagster.yaml is found."""
+    if environ.get("DAGSTER_HOME"):
+        return {}
+    dirs = dagster_home_dirs() if search is None else search
+    home = next((d.resolve() for d in dirs if (d / "dagster.yaml").is_file()), None)
+    if home is None:
+        return {}
+    found = {"DAGSTER_HOME": str(home)}
+    if not environ.get("BACKFILL_DAGSTER_STORAGE"):
+        state = Path(environ.get("BACKFILL_HOME") or home / ".stack").resolve()
+        found["BACKFILL_DAGSTER_STORAGE"] = str(state / "dagster")
+    return found
+
+
+@contextlib.contextmanager
+def _dagster_home() -> Iterator[None]:
+    """:func:`dagster_home_defaults` in ``os.environ`` while a command runs, then as before."""
+    defaults = dagster_home_defaults(os.environ)
+    os.environ.update(defaults)
+    try:
+        yield
+    finally:
+        for name in defaults:
+            os.environ.pop(name, None)
+
+
 def _version() -> str:
     """The installed distribution's version (pyproject.toml's ``version``)."""
     try:
@@ -78,8 +122,12 @@ def _version() -> str:
 @click.version_option(
     _version(), "--version", prog_name="backfill-assets", message="%(prog)s %(version)s"
 )
-def cli() -> None:
+@click.pass_context
+def cli(ctx: click.Context) -> None:
     """Safe Kafka -> Iceberg backfills with Dagster.
+
+    The Dagster instance is $DAGSTER_HOME's; when it is unset, the current directory's or else
+    the repository's dagster.yaml, with its storage in $BACKFILL_HOME/dagster (.stack/dagster).
 
     \b
     Exit status:
@@ -92,6 +140,7 @@ def cli() -> None:
       4  refused or failed: a check or a guard refused (e.g. a rollback that would discard
          later publishes), or a run, a backfill or a maintenance step failed
     """
+    ctx.with_resource(_dagster_home())
 
 
 for _command in (
