@@ -2,17 +2,40 @@
 
 from __future__ import annotations
 
+from typing import ClassVar, Literal
+
+ErrorKind = Literal["failed", "unavailable", "usage"]
+
 
 class BackfillError(Exception):
-    """Base class for every error this project raises on purpose."""
+    """Base class for every error this project raises on purpose.
+
+    ``kind`` says what the caller can do about it (the CLI's exit status follows it):
+    ``"failed"`` (the default): a check or a guard refused, or the work failed; the message
+    says why. ``"unavailable"``: a service (Kafka, the local stack, the catalog, the webserver)
+    could not be reached or used; run again once it is back. ``"usage"``: an argument or a
+    setting has a value that cannot be used; the message says what is allowed.
+    """
+
+    kind: ClassVar[ErrorKind] = "failed"
+
+
+class ArgumentError(BackfillError):
+    """An argument has a value the project cannot use; the message names what is allowed."""
+
+    kind = "usage"
 
 
 class SettingsError(BackfillError):
     """An environment variable has a value the project cannot use."""
 
+    kind = "usage"
+
 
 class StackError(BackfillError):
     """The local stack (Java, jars, broker, catalog) is not in a usable state."""
+
+    kind = "unavailable"
 
 
 class JarResolutionError(StackError):
@@ -23,7 +46,7 @@ class BrokerError(StackError):
     """The local Kafka broker could not be formatted, started, reached or stopped."""
 
 
-class GeneratorError(BackfillError):
+class GeneratorError(ArgumentError):
     """The demo event generator was given arguments it cannot honour."""
 
 

@@ -31,6 +31,16 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 
+@pytest.fixture(autouse=True)
+def _no_repository_dagster_home(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keeps the CLI's default Dagster home (a dagster.yaml in the current directory or the
+    repository, when DAGSTER_HOME is unset) out of tests run in-process: a test that unsets
+    DAGSTER_HOME means no instance, and none writes to the developer's .stack/dagster."""
+    from backfill_assets.ops import cli
+
+    monkeypatch.setattr(cli, "dagster_home_dirs", lambda: ())
+
+
 @pytest.fixture(scope="session")
 def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """BACKFILL_* variables for the test stack, also exported for code that reads os.environ

@@ -1,12 +1,13 @@
 """The operator CLI: every command takes --json and prints one document; anticipated failures
-and wrong arguments exit 2 with a message naming what is wrong (never a traceback); a rollback
-is recorded in the Dagster instance. Cheap: in-process, no Spark, the session's broker and
-catalog only where a command reads them."""
+print a message naming what is wrong (never a traceback) and exit 2 (wrong arguments), 3 (a
+service unavailable) or 4 (refused or failed); a rollback is recorded in the Dagster instance.
+Cheap: in-process, no Spark, the session's broker and catalog only where a command reads them."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import socket
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -19,6 +20,7 @@ from click.testing import CliRunner
 
 from backfill_assets.lake.rollback import HourRestore, RollbackResult
 from backfill_assets.ops import cli
+from backfill_assets.ops.cli import common, rollback
 from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import Settings
 
@@ -51,6 +53,14 @@ def test_every_command_is_there() -> None:
         "rollback",
         "stack",
     ]
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    code, out, err = _run(capsys, "--version")
+    assert code == 0 and err == ""
+    assert out == f"backfill-assets {version('backfill_assets')}\n"
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -126,7 +136,7 @@ def closed_kafka(stack_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> 
         sock.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{sock.getsockname()[1]}"
     monkeypatch.setenv("BACKFILL_KAFKA_BOOTSTRAP", address)
-    monkeypatch.setattr(cli, "_kafka", lambda: KafkaClient(request_timeout_s=2.0))
+    monkeypatch.setattr(common, "kafka", lambda: KafkaClient(request_timeout_s=2.0))
     yield address
 
 
@@ -142,9 +152,37 @@ def test_an_unreachable_kafka_is_an_error_not_a_traceback(
 ) -> None:
     monkeypatch.delenv("DAGSTER_HOME", raising=False)
     code, out, err = _run(capsys, *args)
-    assert code == 2
+    assert code == 3
     assert err.startswith(f"error: Kafka at {closed_kafka} did not answer"), err
     assert "Traceback" not in err and out == ""
+
+
+def test_usage_unavailable_and_refused_exit_with_documented_statuses(
+    closed_kafka: str,
+    iceberg_catalog: Catalog,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A wrong argument, a service that does not answer (Kafka, the webserver) and a refusal
+    exit with three different statuses, each listed in the root command's help."""
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    wrong, _, err = _run(capsys, "plan", "--start", "soon", "--end", "later")
+    assert err.startswith("error: --start 'soon' is not an ISO-8601 time"), err
+    no_kafka, _, err = _run(capsys, "gaps")
+    assert err.startswith(f"error: Kafka at {closed_kafka} did not answer"), err
+    no_webserver, _, err = _run(capsys, "backfill", *RANGE, "--webserver", f"http://{closed_kafka}")
+    assert err.startswith("error: cannot reach the Dagster webserver"), err
+    refused, _, err = _run(capsys, "rollback", "--run", "no-such-run")
+    assert err.startswith("error: no successful publish of run no-such-run"), err
+    assert (wrong, no_kafka, no_webserver, refused) == (2, 3, 3, 4)
+    code, out, _ = _run(capsys, "--help")
+    assert code == 0
+    for status, meaning in (
+        (2, "wrong arguments"),
+        (3, "a service is unavailable"),
+        (4, "refused"),
+    ):
+        assert f"\n    {status}  {meaning}" in out, out
 
 
 @pytest.fixture
@@ -211,7 +249,7 @@ def test_rollback_of_nothing_published_changes_nothing(
 ) -> None:
     for extra in (["--dry-run"], ["--dry-run", "--json"], []):
         code, out, err = _run(capsys, "rollback", "--run", "no-such-run", *extra)
-        assert code == 2 and out == ""
+        assert code == 4 and out == ""
         assert err.startswith("error: no successful publish of run no-such-run")
 
 
@@ -237,7 +275,7 @@ def test_rollback_is_recorded_per_asset_partition(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
-    report = cli._report_rollback(_undone(), what="backfill bf1", backfill_id="bf1")
+    report = rollback._report_rollback(_undone(), what="backfill bf1", backfill_id="bf1")
     assert report == {
         "recorded": True,
         "dagster_home": str(tmp_path),
@@ -264,8 +302,68 @@ def test_rollback_is_recorded_per_asset_partition(
 
 def test_rollback_without_an_instance_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DAGSTER_HOME", raising=False)
-    report = cli._report_rollback(_undone(), what="run run-b", backfill_id=None)
+    report = rollback._report_rollback(_undone(), what="run run-b", backfill_id=None)
     assert report["recorded"] is False and "DAGSTER_HOME is not set" in report["reason"]
+
+
+# -- the Dagster home of a command run from the repository -----------------------------------
+
+
+def test_dagster_home_defaults_to_a_dagster_yaml_found(tmp_path: Path) -> None:
+    repo, elsewhere = tmp_path / "repo", tmp_path / "elsewhere"
+    repo.mkdir()
+    elsewhere.mkdir()
+    (repo / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    search = (elsewhere, repo)
+    assert cli.dagster_home_defaults({}, search) == {
+        "DAGSTER_HOME": str(repo),
+        "BACKFILL_DAGSTER_STORAGE": str(repo / ".stack" / "dagster"),
+    }
+    state = tmp_path / "state"
+    assert cli.dagster_home_defaults({"BACKFILL_HOME": str(state)}, search) == {
+        "DAGSTER_HOME": str(repo),
+        "BACKFILL_DAGSTER_STORAGE": str(state / "dagster"),
+    }
+    given = {"BACKFILL_DAGSTER_STORAGE": "/srv/dagster"}
+    assert cli.dagster_home_defaults(given, search) == {"DAGSTER_HOME": str(repo)}
+    assert cli.dagster_home_defaults({"DAGSTER_HOME": str(elsewhere)}, search) == {}
+    assert cli.dagster_home_defaults({}, (elsewhere,)) == {}
+
+
+def test_dagster_home_of_the_repository_is_the_scripts_and_settings_one() -> None:
+    """From the repository root: the directory scripts/demo.sh and scripts/test.sh export, and
+    the storage the settings module defaults to (under BACKFILL_HOME, else .stack)."""
+    from backfill_assets.stack.settings import REPO_ROOT
+
+    found = cli.dagster_home_defaults({}, (REPO_ROOT,))
+    assert found["DAGSTER_HOME"] == str(REPO_ROOT)
+    settings = Settings.from_env({})
+    assert found["BACKFILL_DAGSTER_STORAGE"] == str(settings.dagster_storage)
+
+
+def test_a_command_run_from_the_repository_uses_its_dagster_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No export needed: the command sees the default; the caller's environment is unchanged."""
+    import click
+
+    (tmp_path / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "dagster_home_dirs", lambda: (Path.cwd(),))
+    for name in ("DAGSTER_HOME", "BACKFILL_DAGSTER_STORAGE", "BACKFILL_HOME"):
+        monkeypatch.delenv(name, raising=False)
+
+    @click.command("probe")
+    def probe() -> int:
+        with dg.DagsterInstance.get() as instance:
+            click.echo(f"{instance.root_directory} {os.environ['BACKFILL_DAGSTER_STORAGE']}")
+        return 0
+
+    monkeypatch.setitem(cli.cli.commands, "probe", probe)
+    code, out, err = _run(capsys, "probe")
+    assert code == 0, err
+    assert out.split() == [str(tmp_path), str(tmp_path / ".stack" / "dagster")]
+    assert "DAGSTER_HOME" not in os.environ and "BACKFILL_DAGSTER_STORAGE" not in os.environ
 
 
 def test_progress_on_a_terminal_shows_count_rate_and_eta() -> None:

@@ -214,7 +214,7 @@ def test_backfill_audit_and_rollback(
     # A later publish by another run blocks the rollback unless forced.
     later_run = _materialize(instance, "2026-06-01-03:00", "2026-06-01-03:00")
     refused = _cli(cli_env, "rollback", "--backfill", ids[0])
-    assert refused.returncode == 2
+    assert refused.returncode == 4  # refused: the documented status of a guard's refusal
     assert later_run in refused.stderr and "--force" in refused.stderr
     assert _cli(cli_env, "rollback", "--run", later_run).returncode == 0
 

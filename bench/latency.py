@@ -308,7 +308,8 @@ def main() -> None:
 
     from backfill_assets.defs.definitions import SPECS
     from backfill_assets.demo.generator import GeneratorConfig, generate
-    from backfill_assets.ops import cli, launch
+    from backfill_assets.ops import launch
+    from backfill_assets.ops.cli import common
     from backfill_assets.stack import catalog, jars
     from backfill_assets.stack.broker import LocalBroker
     from backfill_assets.stack.settings import Settings
@@ -351,7 +352,7 @@ def main() -> None:
                 first = HISTORY_START + timedelta(hours=i)
                 ranges = [
                     (key, f"{a:{PARTITION_FMT}}", f"{b - timedelta(hours=1):{PARTITION_FMT}}")
-                    for keys, a, b in cli._ranges(spec, first, first + timedelta(hours=1))
+                    for keys, a, b in common.ranges(spec, first, first + timedelta(hours=1))
                     for key in keys
                 ]
                 time.sleep(rng.uniform(0, args.stagger))

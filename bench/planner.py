@@ -171,9 +171,9 @@ def main() -> None:
 
 
 def _concurrency() -> int:
-    from backfill_assets.ops import cli
+    from backfill_assets.ops.cli import common
 
-    return cli._backfill_concurrency()
+    return common.backfill_concurrency()
 
 
 def _launch(

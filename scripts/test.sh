@@ -6,7 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-export DAGSTER_HOME="$PWD" BACKFILL_DAGSTER_STORAGE="${BACKFILL_DAGSTER_STORAGE:-$PWD/.stack/dagster}"
+# The Dagster storage as scripts/demo.sh and the CLI default it (under BACKFILL_HOME, else .stack).
+export DAGSTER_HOME="$PWD"
+export BACKFILL_DAGSTER_STORAGE="${BACKFILL_DAGSTER_STORAGE:-${BACKFILL_HOME:-$PWD/.stack}/dagster}"
 
 echo "== ruff"; .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "== mypy"; .venv/bin/mypy

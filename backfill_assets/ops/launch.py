@@ -138,7 +138,13 @@ SINGLE_RUN_TAG = "backfill_assets/single_partition"
 
 
 class LaunchError(BackfillError):
-    """The webserver refused or could not be reached; nothing was launched."""
+    """The webserver refused the launch or a query; nothing was launched."""
+
+
+class WebserverUnavailable(LaunchError):
+    """The webserver could not be reached or did not answer in time."""
+
+    kind = "unavailable"
 
 
 @dataclass
@@ -200,7 +206,7 @@ class DagsterClient:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
                 payload: dict[str, Any] = json.loads(resp.read())
         except (urllib.error.URLError, TimeoutError) as exc:
-            raise LaunchError(
+            raise WebserverUnavailable(
                 f"cannot reach the Dagster webserver at {self.url} ({exc}); start it with "
                 "`bash scripts/demo.sh` or `.venv/bin/dg dev -w workspace.yaml`, or set "
                 "BACKFILL_WEBSERVER_HOST / BACKFILL_WEBSERVER_PORT"

@@ -1,0 +1,177 @@
+"""``backfill-assets``: the operator's command line (click for arguments, rich for output).
+
+Every failure the project anticipates (a :class:`~backfill_assets.errors.BackfillError`)
+prints ``error: <message>`` on stderr, saying what to run next, and exits with the status of
+its ``kind`` (:class:`~.common.Exit`): 2 wrong arguments or settings (as click's usage errors),
+3 a service unavailable, 4 refused or failed.
+``--json`` on every command prints exactly one JSON document on stdout and nothing else there;
+progress bars and notes always go to stderr (:mod:`.output`).
+
+This package holds the root group and :func:`main`; the commands are in one module per group
+(:mod:`.stack`, :mod:`.backfill`, :mod:`.rollback`, :mod:`.upkeep`), what they share in
+:mod:`.common` and all rendering in :mod:`.output`. All click and rich code of the project is in
+this package; the library reports progress through plain callbacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import IO, Any
+
+import click
+import dagster as dg
+
+from backfill_assets.errors import BackfillError, ErrorKind
+from backfill_assets.ops.cli import backfill, rollback, stack, upkeep
+from backfill_assets.ops.cli.common import Exit
+from backfill_assets.ops.cli.output import Ui
+from backfill_assets.stack.settings import REPO_ROOT
+
+__all__ = ["AnticipatedError", "Exit", "Ui", "cli", "main"]
+
+
+class AnticipatedError(click.ClickException):
+    """A BackfillError: ``error: <message>`` and exit status 4 (refused or failed); its
+    subclasses exit 2 and 3."""
+
+    exit_code = Exit.FAILED
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+class _WrongArgument(AnticipatedError):
+    exit_code = Exit.USAGE
+
+
+class _Unavailable(AnticipatedError):
+    exit_code = Exit.UNAVAILABLE
+
+
+ERRORS: dict[ErrorKind, type[AnticipatedError]] = {
+    "usage": _WrongArgument,
+    "unavailable": _Unavailable,
+    "failed": AnticipatedError,
+}
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except BackfillError as exc:
+            raise ERRORS[exc.kind](str(exc)) from None
+
+
+def dagster_home_dirs() -> tuple[Path, ...]:
+    """Where the CLI looks for a dagster.yaml when DAGSTER_HOME is unset: the current directory,
+    then the repository the package runs from (tests replace this to keep it out)."""
+    return (Path.cwd(), REPO_ROOT)
+
+
+def dagster_home_defaults(
+    environ: Mapping[str, str], search: tuple[Path, ...] | None = None
+) -> dict[str, str]:
+    """DAGSTER_HOME and BACKFILL_DAGSTER_STORAGE for a command run from the repository, as
+    scripts/demo.sh sets them: when DAGSTER_HOME is unset, the first directory of ``search``
+    (:func:`dagster_home_dirs`) that has a dagster.yaml, and, unless BACKFILL_DAGSTER_STORAGE is
+    set, ``${BACKFILL_HOME:-<that directory>/.stack}/dagster``. Nothing when DAGSTER_HOME is
+    set or no dagster.yaml is found."""
+    if environ.get("DAGSTER_HOME"):
+        return {}
+    dirs = dagster_home_dirs() if search is None else search
+    home = next((d.resolve() for d in dirs if (d / "dagster.yaml").is_file()), None)
+    if home is None:
+        return {}
+    found = {"DAGSTER_HOME": str(home)}
+    if not environ.get("BACKFILL_DAGSTER_STORAGE"):
+        state = Path(environ.get("BACKFILL_HOME") or home / ".stack").resolve()
+        found["BACKFILL_DAGSTER_STORAGE"] = str(state / "dagster")
+    return found
+
+
+@contextlib.contextmanager
+def _dagster_home() -> Iterator[None]:
+    """:func:`dagster_home_defaults` in ``os.environ`` while a command runs, then as before."""
+    defaults = dagster_home_defaults(os.environ)
+    os.environ.update(defaults)
+    try:
+        yield
+    finally:
+        for name in defaults:
+            os.environ.pop(name, None)
+
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's ``version``)."""
+    try:
+        return metadata.version("backfill_assets")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed: `pip install -e .`)"
+
+
+@click.group(
+    cls=_Group,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
+@click.version_option(
+    _version(), "--version", prog_name="backfill-assets", message="%(prog)s %(version)s"
+)
+@click.pass_context
+def cli(ctx: click.Context) -> None:
+    """Safe Kafka -> Iceberg backfills with Dagster.
+
+    The Dagster instance is $DAGSTER_HOME's; when it is unset, the current directory's or else
+    the repository's dagster.yaml, with its storage in $BACKFILL_HOME/dagster (.stack/dagster).
+
+    \b
+    Exit status:
+      0  done
+      1  the command's answer is no: a red score in `plan`, gaps due in `gaps`, a broker that
+         does not answer `kafka status`
+      2  wrong arguments or settings; the message says what is allowed
+      3  a service is unavailable: Kafka, the local stack, the catalog or the webserver did
+         not answer; run again once it is back
+      4  refused or failed: a check or a guard refused (e.g. a rollback that would discard
+         later publishes), or a run, a backfill or a maintenance step failed
+    """
+    ctx.with_resource(_dagster_home())
+
+
+for _command in (
+    stack.jars_command,
+    stack.kafka_command,
+    stack.catalog_command,
+    stack.stack_command,
+    stack.generate_command,
+    backfill.materialize_command,
+    upkeep.archive_command,
+    upkeep.maintain_command,
+    backfill.plan_command,
+    backfill.backfill_command,
+    rollback.audit_command,
+    rollback.rollback_command,
+    upkeep.gaps_command,
+):
+    cli.add_command(_command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The console script: run one command, return its exit status (:class:`~.common.Exit`)."""
+    # Dagster flags beta parameters (backfill_policy) on every load; operators need not see it.
+    warnings.filterwarnings("ignore", category=dg.BetaWarning)
+    warnings.filterwarnings("ignore", category=dg.PreviewWarning)
+    try:
+        result = cli.main(args=argv, prog_name="backfill-assets", standalone_mode=False)
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except click.Abort:
+        click.echo("aborted", err=True)
+        return Exit.NOT_OK
+    return int(result or 0)

@@ -1,0 +1,197 @@
+"""``jars``, ``kafka``, ``catalog``, ``stack``: the local stack; ``generate``: its demo data."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import click
+
+from backfill_assets.ops.cli.common import Exit, parse_hour, topic_option, with_ui
+from backfill_assets.ops.cli.output import Ui
+from backfill_assets.stack import catalog, jars
+from backfill_assets.stack.broker import LocalBroker
+from backfill_assets.stack.settings import Settings
+
+
+@click.command("jars")
+@click.argument("action", type=click.Choice(["resolve", "cds"]))
+@with_ui
+def jars_command(ui: Ui, settings: Settings, action: str) -> int:
+    """Resolve JVM artifacts from Maven Central (idempotent); ``cds`` builds the Spark driver's
+    class-data-sharing archive from them (idempotent; exits 4 if it cannot, and Spark then
+    starts without it)."""
+    if action == "cds":
+        from backfill_assets.stack import cds
+
+        began = time.monotonic()
+        try:
+            with ui.spinner("building the Spark CDS archive (a small Spark workload, once)"):
+                path, built = cds.build(settings)
+        except cds.CdsError as err:
+            ui.note(f"error: {err}")
+            return Exit.FAILED
+        state = f"built in {time.monotonic() - began:.0f}s" if built else "already built"
+        ui.line(f"Spark driver CDS archive: {state} ({path})")
+        ui.emit({"path": str(path), "built": built})
+        return 0
+    with ui.spinner("resolving jars"):
+        resolved = _resolve_jars(settings)
+    for jar_set, info in resolved.items():
+        state = "resolved" if info["resolved"] else "already up to date"
+        ui.line(f"{jar_set}: {state} ({info['dir']})")
+    ui.emit(resolved)
+    return 0
+
+
+def _resolve_jars(settings: Settings) -> dict[str, dict[str, Any]]:
+    resolved = {
+        jar_set: {"resolved": ran, "dir": str(jars.jar_dir(settings, jar_set))}
+        for jar_set, ran in jars.resolve_all(settings).items()
+    }
+    built = not jars.udf_jar_path(settings).is_file()
+    resolved["udf"] = {"resolved": built, "dir": str(jars.udf_jar(settings).parent)}
+    return resolved
+
+
+@click.command("kafka", short_help="Manage the embedded local Kafka broker (KRaft).")
+@click.argument("action", type=click.Choice(["start", "stop", "status"]))
+@with_ui
+def kafka_command(ui: Ui, settings: Settings, action: str) -> int:
+    """Manage the embedded local Kafka broker (KRaft). ``status`` exits 1 when the broker does
+    not answer."""
+    broker = LocalBroker(settings)
+    if action == "stop":
+        stopped = broker.stop()
+        ui.line("broker stopped" if stopped else "broker was not running")
+        ui.emit({"stopped": stopped})
+        return 0
+    if action == "start":
+        with ui.spinner("starting the broker"):
+            status = broker.start()
+    else:
+        status = broker.status()
+    ui.line(status.describe())
+    ui.emit(asdict(status))
+    return Exit.OK if action == "start" or status.responding else Exit.NOT_OK
+
+
+@click.command("catalog")
+@click.argument("action", type=click.Choice(["init"]))
+@with_ui
+def catalog_command(ui: Ui, settings: Settings, action: str) -> int:
+    """Create/show the Iceberg catalog and namespace."""
+    cat = catalog.load(settings.catalog)
+    namespace = settings.catalog.namespace
+    cat.create_namespace_if_not_exists(namespace)
+    tables = [".".join(t) for t in cat.list_tables(namespace)]
+    ui.line(f"catalog {settings.catalog.name!r} ({settings.catalog.kind}) namespace {namespace!r}")
+    ui.line(f"warehouse {settings.catalog.warehouse}")
+    ui.line("tables: " + (", ".join(tables) if tables else "(none yet)"))
+    ui.emit(
+        {
+            "catalog": settings.catalog.name,
+            "kind": settings.catalog.kind,
+            "namespace": namespace,
+            "warehouse": settings.catalog.warehouse,
+            "tables": tables,
+        }
+    )
+    return 0
+
+
+@click.command("stack")
+@click.argument("action", type=click.Choice(["up", "down", "status"]))
+@with_ui
+def stack_command(ui: Ui, settings: Settings, action: str) -> int:
+    """The whole local stack: jars, catalog, broker."""
+    broker = LocalBroker(settings)
+    if action == "down":
+        stopped = broker.stop()
+        ui.line("broker stopped" if stopped else "broker was not running")
+        ui.emit({"stopped": stopped})
+        return 0
+    doc: dict[str, Any] = {}
+    if action == "up":
+        with ui.spinner("resolving jars"):
+            doc["jars"] = _resolve_jars(settings)
+        for jar_set, info in doc["jars"].items():
+            state = "resolved" if info["resolved"] else "already up to date"
+            ui.line(f"{jar_set}: {state} ({info['dir']})")
+        catalog.init_local_catalog(settings.catalog)
+        with ui.spinner("starting the broker"):
+            status = broker.start()
+    else:
+        status = broker.status()
+    ui.line(status.describe())
+    doc["broker"] = asdict(status)
+    ui.emit(doc)
+    return 0
+
+
+@click.command("generate")
+@topic_option
+@click.option("--partitions", type=int, default=6, show_default=True)
+@click.option(
+    "--hours", type=int, default=48, show_default=True, help="hours of back-dated history"
+)
+@click.option("--events-per-hour", type=int, default=600, show_default=True)
+@click.option("--seed", type=int, default=7, show_default=True)
+@click.option(
+    "--start",
+    help="first hour (ISO-8601, UTC); default: the --hours hours that ended an hour before the "
+    "current one",
+)
+@with_ui
+def generate_command(
+    ui: Ui,
+    settings: Settings,
+    topic: str,
+    partitions: int,
+    hours: int,
+    events_per_hour: int,
+    seed: int,
+    start: str | None,
+) -> int:
+    """Write deterministic demo history into Kafka."""
+    from backfill_assets.demo.generator import GeneratorConfig, generate
+
+    if start:
+        first = parse_hour(start, "--start")
+    else:
+        # The history ends an hour before the current hour: its last hour is then sealed at
+        # once (an hour that ended less than BACKFILL_SEAL_GRACE_S ago, with no record after it,
+        # is not), so a demo started at 10:02 can backfill all of it.
+        now = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+        first = now - timedelta(hours=hours + 1)
+    config = GeneratorConfig(
+        topic=topic,
+        partitions=partitions,
+        start=first,
+        hours=hours,
+        events_per_hour=events_per_hour,
+        seed=seed,
+    )
+    manifest = settings.home / "demo" / f"{topic}.ground-truth.json"
+    with ui.progress(f"writing {topic}", None, "records") as update:
+        truth = generate(settings, config, manifest_path=manifest, on_progress=update)
+    totals = truth.totals
+    ui.line(
+        f"wrote {totals['records']} records to {topic!r} "
+        f"({config.partitions} partitions, {config.hours} h from {first.isoformat()}): "
+        + ", ".join(f"{k}={v}" for k, v in totals.items() if k != "records")
+    )
+    ui.line(f"ground truth: {manifest}")
+    ui.emit(
+        {
+            "topic": topic,
+            "partitions": config.partitions,
+            "start": first.isoformat(),
+            "hours": config.hours,
+            "totals": totals,
+            "ground_truth": str(manifest),
+        }
+    )
+    return 0
