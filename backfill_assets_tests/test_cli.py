@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from backfill_assets.lake.rollback import HourRestore, RollbackResult
 from backfill_assets.ops import cli
 from backfill_assets.ops.cli import common, rollback
+from backfill_assets.ops.cli.common import resolve_range
 from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import Settings
 
@@ -79,6 +80,10 @@ def test_help_of_every_command_lists_json(command: str, capsys: pytest.CaptureFi
         (["plan", "--start", "2026-06-01T01:30Z", "--end", "2026-06-01T05:00Z"], "whole hour"),
         (["generate", "--start", "yesterday"], "--start 'yesterday' is not"),
         (["plan", *RANGE, "--window", "a while"], "--window 'a while' is not a duration"),
+        (["plan", "--start", "2026-06-01T01:00Z"], "give --start and --end, or --last"),
+        (["backfill", "--last", "6h", *RANGE], "--last replaces --start and --end"),
+        (["plan", "--last", "90m"], "--last '90m' must be whole hours"),
+        (["materialize", "--last", "soon"], "--last 'soon' is not a duration"),
     ],
 )
 def test_a_bad_range_exits_2_naming_the_flag(
@@ -110,7 +115,6 @@ def test_an_unknown_topic_exits_2_naming_the_topics(
         (["rollback", "--dry-run"], "give exactly one of --run RUN_ID or --backfill BACKFILL_ID"),
         (["rollback", "--run", "r1", "--backfill", "b1"], "give exactly one of --run"),
         (["audit", "--limit", "many"], "'--limit': 'many' is not a valid integer"),
-        (["plan", "--start", "2026-06-01T01:00Z"], "Missing option '--end'"),
         (["nonsense"], "No such command 'nonsense'"),
     ],
 )
@@ -448,3 +452,20 @@ def test_maintain_runs_an_audited_pass(
     assert set(report["steps"]) >= {"drop_branches", "compact", "expire_snapshots"}
     rows = [r for r in audit.query(iceberg_catalog, ns) if r["event"] == "maintenance"]
     assert rows and rows[0]["launched_by"].startswith("cli:")
+
+
+def test_last_is_the_hours_that_ended_and_are_past_the_seal_grace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("BACKFILL_SEAL_GRACE_S", "300")
+    at = datetime(2026, 6, 1, 10, 20, tzinfo=UTC)  # 10:00-11:00 runs; 09:00 ended 20 min ago
+    assert resolve_range(None, None, "6h", now=at) == (
+        "2026-06-01T04:00:00+00:00",
+        "2026-06-01T10:00:00+00:00",
+    )
+    early = datetime(2026, 6, 1, 10, 2, tzinfo=UTC)  # 09:00-10:00 may still be sealing
+    assert resolve_range(None, None, "2d", now=early) == (
+        "2026-05-30T09:00:00+00:00",
+        "2026-06-01T09:00:00+00:00",
+    )
+    assert resolve_range("a", "b", None) == ("a", "b")

@@ -66,15 +66,51 @@ def topic_option(fn: Callable[..., int]) -> Callable[..., int]:
 
 
 def range_options(fn: Callable[..., int]) -> Callable[..., int]:
-    fn = click.option(
-        "--end", required=True, help="end hour, ISO-8601 UTC (exclusive), e.g. 2026-06-01T05:00Z"
-    )(fn)
-    fn = click.option(
-        "--start",
-        required=True,
-        help="first hour, ISO-8601 UTC (inclusive), e.g. 2026-06-01T01:00Z",
-    )(fn)
-    return topic_option(fn)
+    """``--topic`` and the range: ``--start`` and ``--end``, or ``--last`` (resolved here, so
+    the command gets ``start`` and ``end`` either way)."""
+
+    @functools.wraps(fn)
+    def resolved(
+        *args: Any, start: str | None, end: str | None, last: str | None, **kw: Any
+    ) -> int:
+        start, end = resolve_range(start, end, last)
+        return fn(*args, start=start, end=end, **kw)
+
+    wrapped: Callable[..., int] = resolved
+    wrapped = click.option(
+        "--last",
+        help="instead of --start/--end: the hours that ended last, e.g. 6h or 2d (up to the "
+        "last hour that ended at least BACKFILL_SEAL_GRACE_S ago)",
+    )(wrapped)
+    wrapped = click.option(
+        "--end", help="end hour, ISO-8601 UTC (exclusive), e.g. 2026-06-01T05:00Z"
+    )(wrapped)
+    wrapped = click.option(
+        "--start", help="first hour, ISO-8601 UTC (inclusive), e.g. 2026-06-01T01:00Z"
+    )(wrapped)
+    return topic_option(wrapped)
+
+
+def resolve_range(
+    start: str | None, end: str | None, last: str | None, now: datetime | None = None
+) -> tuple[str, str]:
+    """``--start``/``--end`` as given, or the ``--last`` hours that ended: up to the start of
+    the current hour, or of the one before while the seal grace of the last one runs (an idle
+    hour is sealed only then)."""
+    if last is None:
+        if start is None or end is None:
+            raise ArgumentError("give --start and --end, or --last (e.g. --last 6h)")
+        return start, end
+    if start is not None or end is not None:
+        raise ArgumentError("--last replaces --start and --end; give one or the other")
+    span = parse_duration(last, "--last")
+    if span < timedelta(hours=1) or span % timedelta(hours=1):
+        raise ArgumentError(f"--last {last!r} must be whole hours, e.g. 6h or 2d")
+    now = now or datetime.now(UTC)
+    stop = now.replace(minute=0, second=0, microsecond=0)
+    if now - stop < timedelta(seconds=Settings.from_env().seal_grace_s):
+        stop -= timedelta(hours=1)
+    return (stop - span).isoformat(), stop.isoformat()
 
 
 # -- the spec, Kafka -------------------------------------------------------------------------
@@ -158,10 +194,10 @@ def backfill_concurrency() -> int:
     return int(doc.get("concurrency", {}).get("runs", {}).get("max_concurrent_runs", 1))
 
 
-def parse_duration(text: str) -> timedelta:
+def parse_duration(text: str, flag: str = "--window") -> timedelta:
     units = {"m": 60, "h": 3600, "d": 86400}
     if len(text) < 2 or text[-1] not in units or not text[:-1].isdigit():
-        raise ArgumentError(f"--window {text!r} is not a duration; use e.g. 90m, 6h or 2d")
+        raise ArgumentError(f"{flag} {text!r} is not a duration; use e.g. 90m, 6h or 2d")
     return timedelta(seconds=int(text[:-1]) * units[text[-1]])
 
 
