@@ -49,8 +49,15 @@ SCHEMA = pa.schema(
         pa.field("recorded_at", _TS, nullable=False),
         # raw tables: JSON {event-time hour (ISO, UTC): rows}; null where unknown
         pa.field("event_hours", pa.string()),
+        # rollback, invalidate and rollback_committed/_aborted rows: the rollback they belong to
+        pa.field("rollback_id", pa.string()),
+        # invalidate rows: the table whose rollback made this table's hour stale
+        pa.field("source_table", pa.string()),
     ]
 )
+# The table property a rollback sets in the same catalog commit that moves main back: the
+# commit point of the rollback (see :func:`committed_rollbacks`).
+ROLLBACK_PROPERTY = SUMMARY_PREFIX + "rollback."
 
 
 @dataclass(frozen=True)
@@ -166,28 +173,134 @@ def _event_hours(value: str | None) -> dict[datetime, int] | None:
 
 
 def record_rollback(
-    catalog: Catalog, namespace: str, table_name: str, *, runs: list[str], snapshot_id: int
+    catalog: Catalog,
+    namespace: str,
+    table_name: str,
+    *,
+    runs: list[str],
+    snapshot_id: int,
+    rollback_id: str | None = None,
+    invalidations: Iterable[Invalidation] = (),
 ) -> None:
-    """The runs a rollback undid on ``table_name``: their hours are no longer covered."""
-    _append(
-        catalog,
-        namespace,
-        [
-            {
-                "event": "rollback",
-                "table_name": table_name,
-                "run_id": None,
-                "hour": None,
-                "offsets": None,
-                "records": None,
-                "snapshot_id": snapshot_id,
-                "sequence_number": None,
-                "undone_runs": json.dumps(sorted(runs)),
-                "recorded_at": datetime.now(UTC),
-                "event_hours": None,
-            }
-        ],
-    )
+    """The runs a rollback undid on ``table_name`` (their hours are no longer covered) and the
+    hours of other tables it makes stale, in one commit.
+
+    Without ``rollback_id`` the row takes effect at once (the table was rolled back already).
+    With one it is the rollback's *intent*, written before the table's commit: it takes effect
+    only once that rollback is committed (:func:`committed_rollbacks`), so a crash on either
+    side of the table's commit never leaves the ledger and the table disagreeing."""
+    now = datetime.now(UTC)
+    rows = [
+        _row(
+            "rollback",
+            table_name,
+            now,
+            snapshot_id=snapshot_id,
+            undone_runs=json.dumps(sorted(runs)),
+            rollback_id=rollback_id,
+        )
+    ]
+    rows += _invalidate_rows(table_name, rollback_id, runs, invalidations, now)
+    _append(catalog, namespace, rows)
+
+
+@dataclass(frozen=True)
+class Invalidation:
+    """Hours of a table built from what a rollback of another table undoes: its publishes of
+    these hours up to ``sequence_number`` (the table's commit order when the rollback was
+    planned) are no longer live, so the hours are due again."""
+
+    table_name: str
+    hours: tuple[datetime, ...]
+    sequence_number: int
+
+
+def record_rollback_outcome(
+    catalog: Catalog,
+    namespace: str,
+    table_name: str,
+    *,
+    rollback_id: str,
+    committed: bool,
+    tables: Iterable[str] = (),
+    runs: Iterable[str] = (),
+    invalidations: Iterable[Invalidation] = (),
+) -> None:
+    """Whether rollback ``rollback_id`` of ``table_name`` was committed, on ``table_name`` and
+    the ``tables`` its intent invalidated, in one commit: after it, reading them needs no look
+    at the table's properties. ``invalidations`` (committed only) repeat the intent's with the
+    readers' commit order of now, so a reader publish committed while the rollback ran (it
+    read the undone rows) is stale too."""
+    now = datetime.now(UTC)
+    event = "rollback_committed" if committed else "rollback_aborted"
+    invalidations = list(invalidations)
+    tables = dict.fromkeys([table_name, *tables, *(i.table_name for i in invalidations)])
+    rows = [_row(event, name, now, rollback_id=rollback_id) for name in tables]
+    if committed:
+        rows += _invalidate_rows(table_name, rollback_id, runs, invalidations, now)
+    _append(catalog, namespace, rows)
+
+
+def _row(event: str, table_name: str, now: datetime, **values: Any) -> dict[str, Any]:
+    row: dict[str, Any] = dict.fromkeys(SCHEMA.names)
+    row.update(event=event, table_name=table_name, recorded_at=now, **values)
+    return row
+
+
+def _invalidate_rows(
+    source: str,
+    rollback_id: str | None,
+    runs: Iterable[str],
+    invalidations: Iterable[Invalidation],
+    now: datetime,
+) -> list[dict[str, Any]]:
+    return [
+        _row(
+            "invalidate",
+            inv.table_name,
+            now,
+            hour=hour,
+            sequence_number=inv.sequence_number,
+            undone_runs=json.dumps(sorted(runs)),
+            rollback_id=rollback_id,
+            source_table=source,
+        )
+        for inv in invalidations
+        for hour in sorted(inv.hours)
+    ]
+
+
+def rollback_property(rollback_id: str) -> str:
+    """The table property that commits rollback ``rollback_id`` (set with main's move)."""
+    return ROLLBACK_PROPERTY + rollback_id
+
+
+def _properties(catalog: Catalog, table_name: str) -> dict[str, str]:
+    ident = table_name.split(".", 1)[1] if table_name.count(".") >= 2 else table_name
+    try:
+        return dict(catalog.load_table(ident).properties)
+    except NoSuchTableError:
+        return {}
+
+
+def committed_rollbacks(catalog: Catalog, rows: list[dict[str, Any]]) -> set[str]:
+    """The rollback ids among ``rows`` that are committed.
+
+    A rollback is committed when the catalog commit that moved its table's main back (and set
+    :func:`rollback_property` in the same commit) succeeded: a ``rollback_committed`` row says
+    so; without one (the process died after the table's commit), the table's properties do.
+    Ids with a ``rollback_aborted`` row, or whose table has no such property, are not."""
+    done = {r["rollback_id"] for r in rows if r["event"] == "rollback_committed"}
+    aborted = {r["rollback_id"] for r in rows if r["event"] == "rollback_aborted"}
+    pending: dict[str, str] = {}
+    for r in rows:
+        rid = r.get("rollback_id")
+        if r["event"] in ("rollback", "invalidate") and rid and rid not in done | aborted:
+            pending[rid] = r.get("source_table") or r["table_name"]
+    for source in set(pending.values()):
+        props = _properties(catalog, source)
+        done |= {i for i, s in pending.items() if s == source and rollback_property(i) in props}
+    return done
 
 
 def _rows(catalog: Catalog, namespace: str, table_name: str) -> list[dict[str, Any]]:
@@ -203,21 +316,62 @@ def _rows(catalog: Catalog, namespace: str, table_name: str) -> list[dict[str, A
     return rows
 
 
-def undone_runs(rows: list[dict[str, Any]]) -> set[str]:
+def undone_runs(rows: list[dict[str, Any]], committed: set[str] | None = None) -> set[str]:
+    """Runs undone by the rollback rows among ``rows``: those written after their table's
+    commit (no rollback id) and those whose rollback id is in ``committed``."""
     out: set[str] = set()
     for row in rows:
-        if row["event"] == "rollback" and row["undone_runs"]:
+        rid = row.get("rollback_id")
+        effective = rid is None or (committed is not None and rid in committed)
+        if row["event"] == "rollback" and row["undone_runs"] and effective:
             out.update(json.loads(row["undone_runs"]))
     return out
 
 
-def publishes(catalog: Catalog, namespace: str, table_name: str) -> list[Entry]:
-    """Every publish of ``table_name`` not undone by a rollback, oldest commit first."""
+def stale_hours(rows: list[dict[str, Any]], committed: set[str]) -> dict[datetime, tuple[int, str]]:
+    """Hour -> (sequence number, reason) of the committed invalidations among ``rows``: a
+    publish of that hour at or below that sequence number is no longer live."""
+    out: dict[datetime, tuple[int, str]] = {}
+    for row in rows:
+        if row["event"] != "invalidate" or row.get("rollback_id") not in committed:
+            continue
+        hour = row["hour"].astimezone(UTC)
+        seq = int(row["sequence_number"])
+        if hour not in out or seq >= out[hour][0]:
+            runs = ", ".join(json.loads(row["undone_runs"] or "[]"))
+            out[hour] = (
+                seq,
+                f"built from {row['source_table'].rsplit('.', 1)[-1]} rows of run(s) {runs}, "
+                f"rolled back (rollback {row['rollback_id']})",
+            )
+    return out
+
+
+def stale(catalog: Catalog, namespace: str, table_name: str) -> dict[datetime, str]:
+    """Hours of ``table_name`` a committed rollback of a table it reads made stale, and that
+    no publish has rebuilt since, with the reason in words."""
     rows = _rows(catalog, namespace, table_name)
-    undone = undone_runs(rows)
+    marks = stale_hours(rows, committed_rollbacks(catalog, rows))
+    live = {e.hour for e in _entries(rows, catalog)}
+    return {h: reason for h, (_, reason) in marks.items() if h not in live}
+
+
+def publishes(catalog: Catalog, namespace: str, table_name: str) -> list[Entry]:
+    """Every publish of ``table_name`` not undone by a rollback, nor made stale by the
+    rollback of a table it reads, oldest commit first."""
+    return _entries(_rows(catalog, namespace, table_name), catalog)
+
+
+def _entries(rows: list[dict[str, Any]], catalog: Catalog) -> list[Entry]:
+    committed = committed_rollbacks(catalog, rows)
+    undone = undone_runs(rows, committed)
+    marks = stale_hours(rows, committed)
     out = []
     for row in rows:
         if row["event"] != "publish" or row["run_id"] in undone or row["hour"] is None:
+            continue
+        hour = row["hour"].astimezone(UTC)
+        if hour in marks and int(row["sequence_number"]) <= marks[hour][0]:
             continue
         offsets = None
         if row["offsets"]:
@@ -226,7 +380,7 @@ def publishes(catalog: Catalog, namespace: str, table_name: str) -> list[Entry]:
             }
         out.append(
             Entry(
-                hour=row["hour"].astimezone(UTC),
+                hour=hour,
                 run_id=row["run_id"],
                 snapshot_id=int(row["snapshot_id"]),
                 sequence_number=int(row["sequence_number"]),
@@ -270,8 +424,11 @@ def sync_from_history(catalog: Catalog, namespace: str, table_name: str) -> list
         table = catalog.load_table(ident)
     except NoSuchTableError:
         return []
-    known = {r["snapshot_id"] for r in _rows(catalog, namespace, table_name)}
-    undone = undone_runs(_rows(catalog, namespace, table_name))
+    rows = _rows(catalog, namespace, table_name)
+    _sync_rollbacks(catalog, namespace, table_name, table, rows)
+    rows = _rows(catalog, namespace, table_name)
+    known = {r["snapshot_id"] for r in rows}
+    undone = undone_runs(rows, committed_rollbacks(catalog, rows))
     added = []
     snap = table.metadata.current_snapshot()
     while snap is not None:
@@ -306,3 +463,45 @@ def sync_from_history(catalog: Catalog, namespace: str, table_name: str) -> list
         parent = snap.parent_snapshot_id
         snap = table.metadata.snapshot_by_id(parent) if parent is not None else None
     return added
+
+
+def _sync_rollbacks(
+    catalog: Catalog, namespace: str, table_name: str, table: Table, rows: list[dict[str, Any]]
+) -> None:
+    """Record as committed every rollback the table's properties say was committed but the
+    ledger does not (the process died between the table's commit and the ledger's), on every
+    table its intent named; a rollback without an intent row gets its rollback row from the
+    property. After this, reading these tables needs no look at the table's properties."""
+    ids = {
+        key.removeprefix(ROLLBACK_PROPERTY): value
+        for key, value in table.properties.items()
+        if key.startswith(ROLLBACK_PROPERTY)
+    }
+    done = {r["rollback_id"] for r in rows if r["event"] == "rollback_committed"}
+    missing = {i: v for i, v in ids.items() if i not in done}
+    if not missing:
+        return
+    ledger_table = catalog.load_table(_ident(namespace))
+    quoted = ", ".join(f"'{i}'" for i in sorted(missing) if "'" not in i)
+    named = ledger_table.scan(row_filter=f"rollback_id IN ({quoted})").to_arrow().to_pylist()
+    now = datetime.now(UTC)
+    out = []
+    for rid, value in sorted(missing.items()):
+        mine = [r for r in named if r["rollback_id"] == rid]
+        if any(r["event"] == "rollback_committed" for r in mine):
+            continue  # recorded for another table of the same rollback meanwhile
+        if not any(r["event"] == "rollback" for r in mine):
+            told = json.loads(value)
+            out.append(
+                _row(
+                    "rollback",
+                    table_name,
+                    now,
+                    snapshot_id=int(told["snapshot_id"]),
+                    undone_runs=json.dumps(sorted(told["runs"])),
+                    rollback_id=rid,
+                )
+            )
+        tables = dict.fromkeys([table_name, *(r["table_name"] for r in mine)])
+        out += [_row("rollback_committed", name, now, rollback_id=rid) for name in tables]
+    _append(catalog, namespace, out)

@@ -494,6 +494,14 @@ FAULT_POINTS = (
     "branch_committed",
     # wap.publish: main is fast-forwarded; the branch is not dropped and no audit row written.
     "main_fast_forwarded",
+    # rollback.rollback: the ledger holds the rollback's intent (its rollback row, its readers'
+    # invalidations); the table's main has not moved.
+    "rollback_intent_recorded",
+    # rollback.rollback: main is moved back (with the property that commits the rollback); the
+    # ledger has no outcome row yet.
+    "rollback_table_committed",
+    # rollback.rollback: the ledger's outcome row is written; no audit row yet.
+    "rollback_ledger_committed",
 )
 
 

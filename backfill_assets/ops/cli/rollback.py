@@ -159,6 +159,7 @@ def _show_rolled_back(ui: Ui, results: list[RollbackResult], dagster: dict[str, 
             + (f"; discarded {', '.join(r.discarded_later_runs)}" if r.discarded_later_runs else "")
             + ")"
         )
+    _show_stale_readers(ui, results)
     if dagster["recorded"]:
         ui.line(
             f"Dagster ({dagster['dagster_home']}): recorded {dagster['materializations']} "
@@ -196,6 +197,31 @@ def _show_rollback(ui: Ui, results: list[RollbackResult]) -> None:
             output.row(parts, r.table_name, span, after)
     ui.table(tables)
     ui.table(parts)
+    _show_stale_readers(ui, results)
+
+
+def _show_stale_readers(ui: Ui, results: list[RollbackResult]) -> None:
+    """The hours of other tables built from what the rollback undoes: due again after it."""
+    readers = output.table("rolled back", "table that read it", "hours due again (UTC)")
+    for r in results:
+        for stale in r.stale_readers:
+            spans = [
+                f"{first:%Y-%m-%dT%H:%MZ}" + (f"..{last:%Y-%m-%dT%H:%MZ}" if last > first else "")
+                for first, last in _consecutive(stale.hours)
+            ]
+            output.row(readers, r.table_name, stale.table_name, ", ".join(spans))
+    if readers.row_count:
+        ui.table(readers)
+
+
+def _consecutive(hours: list[datetime]) -> list[tuple[datetime, datetime]]:
+    out: list[tuple[datetime, datetime]] = []
+    for h in sorted(hours):
+        if out and out[-1][1] + timedelta(hours=1) == h:
+            out[-1] = (out[-1][0], h)
+        else:
+            out.append((h, h))
+    return out
 
 
 def _hour_ranges(r: RollbackResult) -> list[tuple[datetime, datetime, str | None, int | None]]:
