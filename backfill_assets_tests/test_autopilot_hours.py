@@ -36,9 +36,10 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.defs.definitions import RESOURCES
+from backfill_assets.defs.resources import KafkaResource
 from backfill_assets.defs.sensors import build_gap_sensor, build_late_data_sensor
 from backfill_assets.demo.generator import TOPIC_CONFIGS, partition_for
-from backfill_assets.lake import derived
+from backfill_assets.lake import derived, detect, wap
 from backfill_assets.lake.spec import TopicSpec, load_specs, spec_path
 from backfill_assets.stack import catalog
 from backfill_assets.stack.settings import Settings
@@ -250,7 +251,7 @@ def _run(world: World, keys: list[str], first: str, last: str) -> None:
 def _settle(world: World) -> list[tuple[str, list[str], str, str]]:
     """Tick both sensors and run what they request until they request nothing; return every
     request made."""
-    made = []
+    made: list[tuple[str, list[str], str, str]] = []
     for _ in range(ROUNDS):
         requests = _tick(world, "gap") + _tick(world, "late")
         if not requests:
@@ -367,7 +368,7 @@ def test_stale_by_lineage_not_by_clock(
 
     # While an (operator's) re-run of event hour 00 is between its read and its publish, the
     # raw run the sensor requested publishes Kafka hour 01.
-    original = derived.open_branch
+    original = wap.open_branch
     fired: list[bool] = []
 
     def raw_publishes_meanwhile(spark: Any, table: str, run_id: str, attempt: int = 0) -> Any:
@@ -385,6 +386,12 @@ def test_stale_by_lineage_not_by_clock(
     monkeypatch.setattr(derived, "open_branch", original)
     assert fired
     assert _table(world, "hourly", "events") == {START: 3}, "the run read raw before the publish"
+    # What `gaps` and the gap sensor see: event hour 00 did not read Kafka hour 01's publish,
+    # although its own publish was recorded after it.
+    cat = catalog.load(world.settings.catalog)
+    ns = world.settings.catalog.namespace
+    found = detect.find(KafkaResource(), cat, ns, world.spec, specs=[world.spec])
+    assert START in found.tables_due[world.table("hourly")], found.tables_due
     made = _settle(world)
     assert any(hourly in keys and f <= _h(0) <= la for _, keys, f, la in made), made
     _assert_truth(world)
