@@ -284,7 +284,8 @@ def test_old_ledger_gains_event_hours_in_place(iceberg_catalog: Catalog) -> None
     ns = f"ledger_{uuid.uuid4().hex[:8]}"
     iceberg_catalog.create_namespace(ns)
     raw = f"lake.{ns}.raw_orders"
-    old_schema = pa.schema([f for f in ledger.SCHEMA if f.name != "event_hours"])
+    newer = ("event_hours", "superseded_hours", "reads")
+    old_schema = pa.schema([f for f in ledger.SCHEMA if f.name not in newer])
     table = iceberg_catalog.create_table(f"{ns}.{ledger.LEDGER_TABLE}", schema=old_schema)
     at = datetime(2026, 7, 2, tzinfo=UTC)
 
@@ -340,7 +341,7 @@ def test_old_ledger_gains_event_hours_in_place(iceberg_catalog: Catalog) -> None
     rows = table.scan().to_arrow().to_pylist()
     assert len(rows) == len(old_rows) + 2
     kept = [
-        {k: v for k, v in r.items() if k != "event_hours"} for r in rows if r["run_id"] != "new-run"
+        {k: v for k, v in r.items() if k not in newer} for r in rows if r["run_id"] != "new-run"
     ]
     assert sorted(kept, key=repr) == sorted(old_rows, key=repr)
     assert all(r["event_hours"] is None for r in rows if r["run_id"] != "new-run")
