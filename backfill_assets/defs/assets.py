@@ -140,6 +140,8 @@ def _audit_and_publish(
     ledger_offsets: dict[datetime, dict[int, tuple[int, int]]] | None = None,
     ledger_records: dict[datetime, int] | None = None,
     ledger_event_hours: dict[datetime, dict[datetime, int]] | None = None,
+    ledger_superseded_hours: dict[datetime, set[datetime]] | None = None,
+    ledger_reads: dict[str, tuple[int, int]] | None = None,
 ) -> Generator[dg.AssetCheckResult, None, Published]:
     """Publish only if every check passed, else yield the check results and fail, naming the
     figures. On success nothing is yielded: the caller attaches the returned check results to
@@ -149,9 +151,10 @@ def _audit_and_publish(
     re-applies the run's rows on a new branch from main and re-runs the checks, up to
     ``BACKFILL_PUBLISH_ATTEMPTS`` times; an overlapping publish is refused, naming its run.
     Every outcome is appended to the audit table; a publish also to the ledger (its hours and
-    offsets), after the fast-forward (the snapshot summary holds the same, for
-    :func:`backfill_assets.lake.ledger.sync_from_history`). Returns main's new snapshot id, the
-    table's total rows in it (if Iceberg's summary says) and the check results.
+    offsets, or the input publishes it read), after the fast-forward (the snapshot summary
+    holds the same, for :func:`backfill_assets.lake.ledger.sync_from_history`). Returns main's
+    new snapshot id, the table's total rows in it (if Iceberg's summary says) and the check
+    results.
     """
     window = context.partition_time_window
     tags = dict(context.run.tags)
@@ -244,6 +247,8 @@ def _audit_and_publish(
         offsets=ledger_offsets,
         records=ledger_records,
         event_hours=ledger_event_hours,
+        superseded_hours=ledger_superseded_hours,
+        reads=ledger_reads,
     )
     try:  # a run killed after its fast-forward left a publish without rows: add them
         late = audit.record_unaudited_publishes(
@@ -383,10 +388,25 @@ def _replay_raw(
     }
     assert outcome.contract.windows is not None
     windows = outcome.contract.windows
+    # The event hours of other versions of this run's event ids (a correction touches the hour
+    # of the version it supersedes), from the branch the publish would put on main.
+    superseded: dict[datetime, set[datetime]] = {}
+
+    def touched() -> None:
+        superseded.clear()
+        superseded.update(
+            derived.other_version_hours(
+                session, spec, outcome.branch.ident, window.start, window.end
+            )
+        )
+
+    touched()
 
     def rebase(attempt: int) -> tuple[wap.Branch, list[checks.CheckOutcome]]:
         outcome.branch = replay.reapply(session, outcome, attempt)
-        return outcome.branch, checks.run_checks(session, spec, outcome)
+        results = checks.run_checks(session, spec, outcome)
+        touched()
+        return outcome.branch, results
 
     snapshot, total_rows, evaluations = yield from _audit_and_publish(
         context,
@@ -411,6 +431,7 @@ def _replay_raw(
             datetime.fromisoformat(h): {datetime.fromisoformat(e): n for e, n in late.items()}
             for h, late in outcome.event_hours.items()
         },
+        ledger_superseded_hours=superseded,
     )
     rate = outcome.records_read / outcome.duration_s if outcome.duration_s else 0.0
     _partition_figures(
@@ -596,11 +617,17 @@ def _derive_body(
             again.checks,
             again.metadata,
         )
+        # The rebased run read its inputs again: its lineage is what it read this time.
+        outcome.reads.clear()
+        outcome.reads.update(again.reads)
+        summary["reads"] = ledger.reads_json(outcome.reads)
         return again.branch, again.checks
 
     summary = {
         "run-id": context.run.run_id,
         "window": f"{window.start.isoformat()}/{window.end.isoformat()}",
+        # Which publish of each input the run read (ledger.sync_from_history keeps it).
+        "reads": ledger.reads_json(outcome.reads),
     }
     snapshot, total_rows, evaluations = yield from _audit_and_publish(
         context,
@@ -612,6 +639,7 @@ def _derive_body(
         summary,
         {"started_at": started},
         rebase,
+        ledger_reads=outcome.reads,
     )
     _partition_figures(
         context,
