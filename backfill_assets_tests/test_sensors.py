@@ -110,6 +110,14 @@ def _run(world: World, keys: list[str], first: str, last: str) -> str:
     return result.run_id
 
 
+def _first_event_hour(world: World) -> int:
+    """The first event hour of the generated events, in hours after START (late events of
+    Kafka hour 0 can be of earlier hours)."""
+    first = min(datetime.fromisoformat(h) for h in world.truth.event_hours)
+    assert first < START, "the generator makes events that arrive late in Kafka hour 0"
+    return int((first - START) / timedelta(hours=1))
+
+
 def _h(hour: int) -> str:
     return (START + timedelta(hours=hour)).strftime("%Y-%m-%d-%H:%M")
 
@@ -128,10 +136,13 @@ def test_gaps_rollbacks_and_late_data(
     assert _tick(world, "gap") == [("raw", sorted([current, raw]), _h(0), _h(7))]
     assert _tick(world, "gap") == [], "the next tick requests nothing new"
 
-    # 2. Hours 0-3 published: the rest is the gap; event hour 0 (reads Kafka hours 0-3) is due.
+    # 2. Hours 0-3 published: the rest is the gap; event hour 0 (reads Kafka hours 0-3) is due,
+    # and so are the event hours before it whose events arrived late in Kafka hours 0-3 (event
+    # hours come from the data, not from the Kafka hours that hold records).
+    early = _h(_first_event_hour(world))
     first_run = _run(world, [raw, current], _h(0), _h(3))
     assert _tick(world, "gap") == [
-        ("derived", tables, _h(0), _h(0)),
+        ("derived", tables, early, _h(0)),
         ("raw", sorted([current, raw]), _h(4), _h(7)),
     ]
     assert _tick(world, "gap") == []
@@ -148,8 +159,8 @@ def test_gaps_rollbacks_and_late_data(
     # 4. Everything published: every event hour is due. Hours 5-7 too: the Kafka hours they
     # also read (up to 10) are closed and hold no records.
     _run(world, [raw, current], _h(0), _h(7))
-    assert _tick(world, "gap") == [("derived", tables, _h(0), _h(7))]
-    _run(world, tables, _h(0), _h(7))
+    assert _tick(world, "gap") == [("derived", tables, early, _h(7))]
+    _run(world, tables, early, _h(7))
     assert _tick(world, "gap") == []
     assert _tick(world, "late") == []
 
@@ -284,7 +295,7 @@ def test_old_ledger_gains_event_hours_in_place(iceberg_catalog: Catalog) -> None
     ns = f"ledger_{uuid.uuid4().hex[:8]}"
     iceberg_catalog.create_namespace(ns)
     raw = f"lake.{ns}.raw_orders"
-    newer = ("event_hours", "rollback_id", "source_table")
+    newer = ("event_hours", "rollback_id", "source_table", "superseded_hours", "reads")
     old_schema = pa.schema([f for f in ledger.SCHEMA if f.name not in newer])
     table = iceberg_catalog.create_table(f"{ns}.{ledger.LEDGER_TABLE}", schema=old_schema)
     at = datetime(2026, 7, 2, tzinfo=UTC)

@@ -16,7 +16,7 @@ from backfill_assets.defs.archiver import archive_asset_key
 from backfill_assets.defs.partitions import kafka_hours
 from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
 from backfill_assets.errors import KafkaClientError
-from backfill_assets.lake import audit, checks, derived, publish, replay, wap
+from backfill_assets.lake import audit, checks, derived, ledger, publish, replay, wap
 from backfill_assets.spec import declared, versions
 from backfill_assets.spec.model import CURRENT_META_COLUMNS, ColumnSpec, TableSpec, TopicSpec
 from backfill_assets.stack.catalog import CatalogClient
@@ -538,11 +538,17 @@ def _derive_body(
             again.checks,
             again.metadata,
         )
+        # The rebased run read its inputs again: its lineage is what it read this time.
+        outcome.reads.clear()
+        outcome.reads.update(again.reads)
+        summary["reads"] = ledger.reads_json(outcome.reads)
         return again.branch, again.checks
 
     summary = {
         "run-id": context.run.run_id,
         "window": f"{window.start.isoformat()}/{window.end.isoformat()}",
+        # Which publish of each input the run read (ledger.sync_from_history keeps it).
+        "reads": ledger.reads_json(outcome.reads),
     }
     request = publish.PublishRequest(
         table=table,
@@ -552,6 +558,7 @@ def _derive_body(
         record={},
         summary=summary,
         rebase=rebase,
+        ledger_reads=outcome.reads,
     )
     snapshot, total_rows, evaluations = yield from _audit_and_publish(
         context, iceberg, session, request, {"started_at": started}

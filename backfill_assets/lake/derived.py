@@ -12,7 +12,9 @@ SQL sees only winners, as the relation named after the topic.
   ``[start - lookback, end)``), other topics' current state and other declared tables as main
   holds them, and overwrites exactly those hours on a run branch. Its hour H is expected to read
   Kafka hours H - lookback .. H + lateness (the partition mapping); the late-data sensor re-runs
-  H when records arrive even later.
+  H when records arrive even later. Each relation is read at one snapshot of its table's main,
+  pinned when the run starts, and the run's publish records which (its lineage: an input
+  publish it did not read makes the hour stale, whatever the clocks say).
 * ``<topic>_current``: per key, the latest of the winning events and the tombstones by the
   spec's ``order_by`` (Kafka time for tombstones), then Kafka time, partition, offset; an event
   matching ``deleted_when`` or a tombstone leaves the key with ``deleted = true``. A run of
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from backfill_assets.lake import checks
 from backfill_assets.lake.checks import CheckOutcome
-from backfill_assets.lake.wap import Branch, open_branch
+from backfill_assets.lake.wap import Branch, open_branch, ref_snapshot
 from backfill_assets.spec import declared
 from backfill_assets.spec.model import EVENT_META_COLUMNS, SPARK_TYPES, TableSpec, TopicSpec
 
@@ -73,6 +75,8 @@ class DerivedOutcome:
     metadata: dict[str, Any] = field(default_factory=dict)
     # Per partition hour (ISO-8601, UTC): that hour's own figures; "rows" is its row count.
     per_hour: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Declared tables: input table -> (snapshot id, sequence number) of the main it read.
+    reads: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def rows_per_hour(frame: DataFrame, column: str, start: datetime, end: datetime) -> dict[str, int]:
@@ -125,6 +129,45 @@ def winning_versions(
     )
 
 
+def other_version_hours(
+    spark: SparkSession, spec: TopicSpec, table: str, start: datetime, end: datetime
+) -> dict[datetime, set[datetime]]:
+    """Per Kafka hour in ``[start, end)`` of raw ``table`` (main or a run's branch): the
+    event-time hours of the other versions (any Kafka hour) of its rows' event ids, where they
+    differ from the row's own: a correction that moves an event changes the hour of the version
+    it supersedes as well as its own, so the publish records both."""
+    from pyspark.sql import functions as F
+
+    key, event = spec.event_id_field, F.col(spec.event_time_field)
+    rows = spark.table(table).where(~F.col("is_tombstone") & event.isNotNull())
+    hours = (F.col("kafka_hour") >= _ts(start)) & (F.col("kafka_hour") < _ts(end))
+    mine = rows.where(hours).select(
+        key,
+        F.col("kafka_hour").alias("_k"),
+        F.date_trunc("hour", event).alias("_own"),
+        F.col("kafka_partition").alias("_p"),
+        F.col("kafka_offset").alias("_o"),
+    )
+    others = rows.join(mine.select(key).distinct(), key, "left_semi").select(
+        key, F.date_trunc("hour", event).alias("_e"), "kafka_partition", "kafka_offset"
+    )
+    pairs = (
+        mine.join(others, key)
+        .where(
+            (F.col("_e") != F.col("_own"))
+            & ((F.col("_p") != F.col("kafka_partition")) | (F.col("_o") != F.col("kafka_offset")))
+        )
+        .select(F.unix_millis("_k").alias("k"), F.unix_millis("_e").alias("e"))
+        .distinct()
+        .collect()
+    )
+    out: dict[datetime, set[datetime]] = {}
+    for row in pairs:
+        kafka_hour = datetime.fromtimestamp(row["k"] / 1000, UTC)
+        out.setdefault(kafka_hour, set()).add(datetime.fromtimestamp(row["e"] / 1000, UTC))
+    return out
+
+
 def events_in(
     spark: SparkSession, spec: TopicSpec, raw_table: str, start: datetime, end: datetime
 ) -> DataFrame:
@@ -157,6 +200,33 @@ class Sources:
     table_name: Callable[[str], str]  # a short table name -> the catalog's full name
 
 
+def _input_table(rel: declared.Relation, sources: Sources) -> str:
+    """The catalog's full name of the table a relation is read from."""
+    if rel.kind == "events":
+        return sources.table_name(sources.specs[rel.topic].raw_table)
+    return sources.table_name(rel.name)
+
+
+def pin_inputs(
+    spark: SparkSession, table: TableSpec, sources: Sources, known: dict[str, declared.Relation]
+) -> tuple[dict[str, str], dict[str, tuple[int, int]]]:
+    """Per relation ``table`` reads, the Spark identifier of its table at main's current
+    snapshot (``<table>.snapshot_id_<id>``), so everything the run reads comes from one known
+    publish of each input; and input table -> (snapshot id, sequence number) read. A table
+    that does not exist (or has no snapshot) yet is read by its name and not recorded."""
+    idents: dict[str, str] = {}
+    reads: dict[str, tuple[int, int]] = {}
+    for ref in table.refs:
+        name = _input_table(known[ref], sources)
+        pin = ref_snapshot(spark, name, "main") if spark.catalog.tableExists(name) else None
+        if pin is None:
+            idents[ref] = name
+            continue
+        idents[ref] = f"{name}.snapshot_id_{pin[0]}"
+        reads[name] = pin
+    return idents, reads
+
+
 def _relation(
     spark: SparkSession,
     name: str,
@@ -164,12 +234,12 @@ def _relation(
     known: dict[str, declared.Relation],
     start: datetime,
     end: datetime,
+    idents: dict[str, str],
 ) -> DataFrame:
     rel = known[name]
     if rel.kind == "events":
-        spec = sources.specs[rel.topic]
-        return events_in(spark, spec, sources.table_name(spec.raw_table), start, end)
-    return spark.table(sources.table_name(name))
+        return events_in(spark, sources.specs[rel.topic], idents[name], start, end)
+    return spark.table(idents[name])
 
 
 def build_declared(
@@ -197,13 +267,14 @@ def build_declared(
     )
     _same_layout(spark, full, table)
     lookback = timedelta(hours=table.lookback_hours)
+    idents, reads = pin_inputs(spark, table, sources, known)
     views: list[str] = []
     persisted: list[DataFrame] = []
     try:
         conflicts = 0
         frames: dict[str, DataFrame] = {}
         for ref in table.refs:
-            frame = _relation(spark, ref, sources, known, start - lookback, end)
+            frame = _relation(spark, ref, sources, known, start - lookback, end, idents)
             if known[ref].kind == "events":
                 frame = frame.persist()
                 persisted.append(frame)
@@ -226,7 +297,7 @@ def build_declared(
         src = (
             frames[table.source]
             if src_rel.kind == "events" and not table.lookback_hours
-            else _relation(spark, table.source, sources, known, start, end)
+            else _relation(spark, table.source, sources, known, start, end, idents)
         )
         if "_versions" in src.columns:
             src = src.drop("_versions")
@@ -274,6 +345,7 @@ def build_declared(
             **{f"measure/{k}": v for k, v in table_figures.items()},
         },
         {h: {"rows": n} for h, n in hourly.items()},
+        reads,
     )
 
 

@@ -11,11 +11,18 @@ never starts Spark, so sensors stay cheap.
 Kafka-time hours are compared as units: an hour "has records" when some partition's offsets
 for it are non-empty (ListOffsets-by-timestamp at the hour's bounds). Transaction markers and
 compaction holes only shift offsets inside an hour's range, so they never create a gap.
+
+A declared table's candidate hours are the event hours that exist (recorded by the raw
+publishes in the ledger) and the hours that look back on them, as well as the Kafka hours that
+hold records: an outage hour holds no records but can have late events. A publish makes an
+hour stale when the hour's own publish did not read it (lineage: the input's sequence number
+it read, recorded with the publish; wall-clock times only for publishes recorded before).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -33,12 +40,23 @@ PARTITION_FMT = "%Y-%m-%d-%H:%M"
 
 @dataclass(frozen=True)
 class Publish:
-    """One publish still on main: its window, run and commit time."""
+    """One publish still on main: its window, run, commit time and order (the table's
+    sequence number), and for a derived table the sequence number of each input it read."""
 
     start: datetime
     end: datetime
     run_id: str
     committed_ms: int
+    sequence_number: int = 0
+    reads: dict[str, int] | None = None
+
+    def read(self, other: Publish, table: str) -> bool:
+        """Whether this (derived) publish read ``other``, a publish of its input ``table``
+        (``catalog.namespace.table``): by the input's sequence number it recorded; for a
+        publish that recorded none, by commit time."""
+        if self.reads is not None and table in self.reads:
+            return other.sequence_number <= self.reads[table]
+        return other.committed_ms <= self.committed_ms
 
 
 @dataclass
@@ -59,12 +77,19 @@ def published(catalog: Catalog, identifier: str) -> list[Publish]:
     publish is no longer live."""
     namespace = identifier.split(".", 1)[0]
     entries = ledger.coverage(catalog, namespace, f"{catalog.name}.{identifier}")
-    out = [Publish(hour, hour + HOUR, e.run_id, e.committed_ms) for hour, e in entries.items()]
+    out = [_publish(e) for e in entries.values()]
     return sorted(out, key=lambda p: p.committed_ms, reverse=True)
 
 
 def _publish(entry: ledger.Entry) -> Publish:
-    return Publish(entry.hour, entry.hour + HOUR, entry.run_id, entry.committed_ms)
+    return Publish(
+        entry.hour,
+        entry.hour + HOUR,
+        entry.run_id,
+        entry.committed_ms,
+        entry.sequence_number,
+        entry.reads,
+    )
 
 
 def _windows(entries: dict[datetime, ledger.Entry]) -> dict[datetime, dict[int, tuple[int, int]]]:
@@ -191,18 +216,24 @@ def find(
     known = declared.relations(every)
     kafka_hours = {spec.topic: in_kafka}
     coverage: dict[str, dict[datetime, Publish]] = {}
+    raw_coverage = {spec.topic: raw_entries}
+
+    def raw_of(topic: str) -> dict[datetime, ledger.Entry]:
+        if topic not in raw_coverage:
+            raw = f"{catalog.name}.{namespace}.raw_{topic}"
+            raw_coverage[topic] = ledger.coverage(catalog, namespace, raw)
+        return raw_coverage[topic]
 
     def expected(topic: str) -> dict[datetime, dict[int, tuple[int, int]]]:
         if topic not in kafka_hours:
             other = record_hours(kafka, topic, spec.partition_start)
-            raw = f"{catalog.name}.{namespace}.raw_{topic}"
             kafka_hours[topic] = (
                 hours_with_records(
                     kafka,
                     topic,
                     other[0],
                     min(last_closed, other[1] + HOUR),
-                    _windows(ledger.coverage(catalog, namespace, raw)),
+                    _windows(raw_of(topic)),
                 )
                 if other
                 else {}
@@ -214,10 +245,20 @@ def find(
             coverage[table] = covered_hours(published(catalog, f"{namespace}.{table}"))
         return coverage[table]
 
+    def full(table: str) -> str:
+        return f"{catalog.name}.{namespace}.{table}"
+
     for table in declared.ordered(every):
         if table.topic == spec.topic:
+            hours = _candidates(table, known, in_kafka, raw_of, covered)
             findings.tables_due[table.name] = _due(
-                table, known, in_kafka, expected, covered, last_closed
+                table,
+                known,
+                {h for h in hours if h >= spec.partition_start},
+                expected,
+                covered,
+                last_closed,
+                full,
             )
     findings.retention_risks = _retention_risks(
         kafka, spec.topic, in_kafka, raw_pub, now, retention_horizon
@@ -225,20 +266,44 @@ def find(
     return findings
 
 
-def _due(
+def _candidates(
     table: TableSpec,
     known: dict[str, declared.Relation],
     in_kafka: dict[datetime, Any],
+    raw_of: Callable[[str], dict[datetime, ledger.Entry]],
+    covered: Callable[[str], dict[datetime, Publish]],
+) -> set[datetime]:
+    """The hours ``table`` can hold rows for: the event hours of the events it reads (as the
+    raw publishes recorded them; a publish that did not record them counts its Kafka hour),
+    the published hours of the declared tables it reads, and the hours that look back on any
+    of them; and the Kafka hours of its topic that hold records."""
+    found: set[datetime] = set(in_kafka)
+    for ref in table.refs:
+        rel = known[ref]
+        if rel.kind == "events":
+            for kafka_hour, entry in raw_of(rel.topic).items():
+                found.update(entry.event_hours if entry.event_hours is not None else [kafka_hour])
+        elif rel.kind == "table":
+            found.update(covered(rel.name))
+    return {h + i * HOUR for h in found for i in range(table.lookback_hours + 1)}
+
+
+def _due(
+    table: TableSpec,
+    known: dict[str, declared.Relation],
+    candidates: set[datetime],
     expected: Any,
-    covered: Any,
+    covered: Callable[[str], dict[datetime, Publish]],
     last_closed: datetime,
+    full: Callable[[str], str],
 ) -> dict[datetime, str]:
-    """Event-time hours of ``table`` to (re)materialize: never published, or a relation it
-    reads was republished after it for the hours it maps to. An hour waits until every hour it
-    reads has closed and, where Kafka holds records for it, been published."""
+    """Event-time hours of ``table`` to (re)materialize: never published, or the publish of an
+    hour it reads (as the partition mapping says) is one its own publish did not read. An hour
+    waits until every hour it reads has closed and, where Kafka holds records for it, been
+    published."""
     mine = covered(table.name)
     due: dict[datetime, str] = {}
-    for hour in sorted(in_kafka):
+    for hour in sorted(candidates):
         wait, newer = False, ""
         for ref in table.refs:
             rel = known[ref]
@@ -254,13 +319,13 @@ def _due(
                 wait = True  # an hour it reads is not published yet
                 break
             own = mine.get(hour)
-            later_pubs = [
+            unread = [
                 pubs[d]
                 for d in deps
-                if d in pubs and own and pubs[d].committed_ms > own.committed_ms
+                if d in pubs and own and not own.read(pubs[d], full(dep_table))
             ]
-            if later_pubs and not newer:
-                newer = f"{dep_table} hours republished by run {later_pubs[0].run_id}"
+            if unread and not newer:
+                newer = f"{dep_table} hours republished by run {unread[0].run_id}"
         if wait:
             continue
         if hour not in mine:
@@ -273,22 +338,24 @@ def _due(
 def late_event_hours(
     catalog: Catalog, namespace: str, spec: TopicSpec, *, now: datetime | None = None
 ) -> dict[str, dict[datetime, str]]:
-    """Per declared table that reads the topic's events: event-time hours that received
-    records after the table's hour was published, from Kafka hours beyond the table's allowed
-    lateness (so the partition mapping alone misses them).
+    """Per declared table that reads the topic's events: event-time hours that a raw publish
+    changed after the table's hour was published, from Kafka hours outside what the hour reads
+    by its partition mapping (so the gap sensor's staleness rule misses them).
 
-    Event hour E of a table is due when the live raw publish of some Kafka hour K holds rows of
-    E, K > E + the table's lateness, and that publish was committed after the table's publish
-    of E. What each Kafka hour's rows hold comes from the ledger (``Entry.event_hours``, the
-    replay's own per-hour figures), so a tick reads ledger rows, never table rows, and costs
-    the same whatever the tables hold."""
+    The raw publish of Kafka hour K touches event hour E when K's rows are of E, or when they
+    are other versions of events of E (a correction that moves an event touches the hour of the
+    version it supersedes as well as its own). Table hour H is due when its publish did not read
+    that raw publish (lineage: the raw sequence number it read), H is E or looks back on E
+    (E <= H <= E + lookback), and K is outside H - lookback .. H + lateness. What each Kafka
+    hour touches comes from the ledger (``Entry.event_hours``, ``Entry.superseded_hours``, the
+    replay's own figures), so a tick reads ledger rows, never table rows, and costs the same
+    whatever the tables hold."""
     readers = [t for t in spec.tables if spec.topic in t.refs]
     out: dict[str, dict[datetime, str]] = {}
     if not readers:
         return out
-    raw_entries = ledger.coverage(
-        catalog, namespace, f"{catalog.name}.{namespace}.{spec.raw_table}"
-    )
+    raw_name = f"{catalog.name}.{namespace}.{spec.raw_table}"
+    raw_entries = ledger.coverage(catalog, namespace, raw_name)
     if not raw_entries:
         return out
     # Oldest commit first, so a reason names the newest run that brought late records.
@@ -300,8 +367,11 @@ def late_event_hours(
         mine = covered_hours(published(catalog, f"{namespace}.{table.name}"))
         if not mine:
             continue
-        oldest = min(p.committed_ms for p in mine.values())
-        recent = [(k, e) for k, e in by_commit if e.committed_ms > oldest]
+        # Only raw publishes some published hour of the table did not read can make it due.
+        runs = {p.run_id: p for p in mine.values()}.values()
+        recent = [
+            (k, e) for k, e in by_commit if any(not p.read(_publish(e), raw_name) for p in runs)
+        ]
         # A publish whose ledger rows do not say (appended before the ledger kept event hours,
         # or recovered from main's history by sync_from_history) has its own rows read, and
         # only those, so nothing is missed; every publish since records them.
@@ -309,20 +379,32 @@ def late_event_hours(
         if unknown:
             from_rows.update(_event_hours_from_rows(catalog, namespace, spec, unknown))
         lateness = timedelta(hours=table.lateness_hours)
+        lookback = timedelta(hours=table.lookback_hours)
         due: dict[datetime, str] = {}
         for kafka_hour, entry in recent:
-            counts = entry.event_hours if entry.event_hours is not None else from_rows[kafka_hour]
-            for event_hour in counts:
-                pub = mine.get(event_hour)
-                if pub is None:
-                    continue  # never published: the gap sensor handles it
-                if kafka_hour <= event_hour + lateness:
-                    continue  # inside the mapping: the gap sensor's staleness rule handles it
-                if entry.committed_ms > pub.committed_ms:
-                    due[event_hour] = f"late records ingested by run {entry.run_id}"
+            touched = entry.touched_hours
+            if touched is None:
+                touched = set(from_rows[kafka_hour])
+            for event_hour in sorted(touched):
+                hour = event_hour
+                while hour <= event_hour + lookback:
+                    pub = mine.get(hour)
+                    # Never published: the gap sensor handles it; inside the mapping: its
+                    # staleness rule does.
+                    inside = hour - lookback <= kafka_hour <= hour + lateness
+                    if pub is not None and not inside and not pub.read(_publish(entry), raw_name):
+                        due[hour] = _late_reason(entry, event_hour, hour)
+                    hour += HOUR
         if due:
             out[table.name] = due
     return out
+
+
+def _late_reason(entry: ledger.Entry, event_hour: datetime, hour: datetime) -> str:
+    own = entry.event_hours is None or event_hour in entry.event_hours
+    what = "late records" if own else "a correction of its events"
+    why = "" if hour == event_hour else f" of hour {event_hour:%Y-%m-%d %H:00}, which it reads"
+    return f"{what}{why} ingested by run {entry.run_id}"
 
 
 def _event_hours_from_rows(

@@ -5,9 +5,12 @@ One Iceberg table, ``backfill_ledger``, appended with pyiceberg (one atomic comm
 retried when another writer committed first). A ``publish`` row per published hour records the
 run, the snapshot main moved to (and its sequence number, the table's commit order) and, for raw
 tables, the hour's offsets per partition and the event-time hours of its rows with their counts
-(``event_hours``, what the late-data sensor reads instead of the rows). A ``rollback`` row lists
-the runs a rollback undid. What a table covers now is, per hour, the newest publish whose run was
-not undone.
+(``event_hours``, what the late-data sensor reads instead of the rows) and the event-time hours
+of the other versions of its rows' event ids (``superseded_hours``: a correction touches the
+hour of the version it supersedes as well as its own); for derived tables, which publish of
+each input it read (``reads``: the input's main snapshot and its sequence number), so freshness
+is judged by lineage, never by clocks. A ``rollback`` row lists the runs a rollback undid.
+What a table covers now is, per hour, the newest publish whose run was not undone.
 
 A ledger created by an older version lacks the newer (nullable) columns: the first append adds
 them in place (a schema update, no data file rewritten), and its old rows read them as null.
@@ -53,6 +56,10 @@ SCHEMA = pa.schema(
         pa.field("rollback_id", pa.string()),
         # invalidate rows: the table whose rollback made this table's hour stale
         pa.field("source_table", pa.string()),
+        # raw tables: JSON [event-time hour (ISO, UTC)] of other versions of its event ids
+        pa.field("superseded_hours", pa.string()),
+        # derived tables: JSON {input table: {"snapshot_id": n, "sequence_number": n}}
+        pa.field("reads", pa.string()),
     ]
 )
 # The table property a rollback sets in the same catalog commit that moves main back: the
@@ -74,10 +81,24 @@ class Entry:
     # excluded) with their counts; {} when it has none; None when unknown (rows appended before
     # the ledger kept it, publishes recovered by sync_from_history).
     event_hours: dict[datetime, int] | None = None
+    # Raw tables: the event-time hours of the other versions (in other Kafka hours) of the
+    # hour's event ids; None when unknown.
+    superseded_hours: frozenset[datetime] | None = None
+    # Derived tables: input table (``catalog.namespace.table``) -> the sequence number of the
+    # input's main snapshot the run read; None when unknown (rows written before it was kept).
+    reads: dict[str, int] | None = None
 
     @property
     def committed_ms(self) -> int:
         return int(self.recorded_at.timestamp() * 1000)
+
+    @property
+    def touched_hours(self) -> set[datetime] | None:
+        """Every event-time hour whose content this hour's rows can change: their own and
+        those of the versions they supersede (or that supersede them); None when unknown."""
+        if self.event_hours is None:
+            return None
+        return set(self.event_hours) | set(self.superseded_hours or ())
 
 
 def _ident(namespace: str) -> str:
@@ -130,13 +151,18 @@ def record_publish(
     offsets: Mapping[datetime, Mapping[int, tuple[int, int]]] | None = None,
     records: Mapping[datetime, int] | None = None,
     event_hours: Mapping[datetime, Mapping[datetime, int]] | None = None,
+    superseded_hours: Mapping[datetime, Iterable[datetime]] | None = None,
+    reads: Mapping[str, tuple[int, int]] | None = None,
     recorded_at: datetime | None = None,
 ) -> None:
     """One ``publish`` row per hour, in one commit.
 
     ``event_hours`` (raw tables): per published hour, the event-time hours of its rows with
     their counts; an hour it does not name has no such rows. None: not known (the late-data
-    sensor then reads the publish's rows)."""
+    sensor then reads the publish's rows). ``superseded_hours`` (raw tables): per published
+    hour, the event-time hours of the other versions of its rows' event ids. ``reads``
+    (derived tables): input table -> (snapshot id, sequence number) of the input's main the
+    run read."""
     now = recorded_at or datetime.now(UTC)
     rows = []
     for hour in sorted(hours):
@@ -157,9 +183,38 @@ def record_publish(
                 "undone_runs": None,
                 "recorded_at": now,
                 "event_hours": late,
+                "superseded_hours": None
+                if superseded_hours is None
+                else _hours_json(superseded_hours.get(hour, ())),
+                "reads": None if reads is None else reads_json(reads),
             }
         )
     _append(catalog, namespace, rows)
+
+
+def _hours_json(hours: Iterable[datetime]) -> str:
+    return json.dumps(sorted({h.astimezone(UTC).isoformat() for h in hours}))
+
+
+def _hours(value: str | None) -> frozenset[datetime] | None:
+    if value is None:
+        return None
+    return frozenset(datetime.fromisoformat(h).astimezone(UTC) for h in json.loads(value))
+
+
+def reads_json(reads: Mapping[str, tuple[int, int]]) -> str:
+    """The ``reads`` value (ledger column and ``backfill.reads`` summary) of a derived
+    publish: input table -> its main's snapshot id and sequence number the run read."""
+    return json.dumps(
+        {t: {"snapshot_id": s, "sequence_number": n} for t, (s, n) in sorted(reads.items())}
+    )
+
+
+def parse_reads(value: str | None) -> dict[str, int] | None:
+    """Input table -> sequence number read, from a ``reads`` value (ledger or summary)."""
+    if not value:
+        return None
+    return {t: int(v["sequence_number"]) for t, v in json.loads(value).items()}
 
 
 def _event_hours_json(counts: Mapping[datetime, int]) -> str:
@@ -388,6 +443,8 @@ def _entries(rows: list[dict[str, Any]], catalog: Catalog) -> list[Entry]:
                 offsets=offsets,
                 # absent from a ledger not yet evolved (no append since the column was added)
                 event_hours=_event_hours(row.get("event_hours")),
+                superseded_hours=_hours(row.get("superseded_hours")),
+                reads=parse_reads(row.get("reads")),
             )
         )
     return sorted(out, key=lambda e: (e.sequence_number, e.recorded_at))
@@ -457,6 +514,7 @@ def sync_from_history(catalog: Catalog, namespace: str, table_name: str) -> list
                         datetime.fromisoformat(start_s), datetime.fromisoformat(end_s)
                     ),
                     offsets=offsets,
+                    reads=_summary_reads(props.get(SUMMARY_PREFIX + "reads")),
                     recorded_at=datetime.fromtimestamp(snap.timestamp_ms / 1000, UTC),
                 )
                 added.append(run_id)
@@ -505,3 +563,13 @@ def _sync_rollbacks(
         tables = dict.fromkeys([table_name, *(r["table_name"] for r in mine)])
         out += [_row("rollback_committed", name, now, rollback_id=rid) for name in tables]
     _append(catalog, namespace, out)
+
+
+def _summary_reads(value: str | None) -> dict[str, tuple[int, int]] | None:
+    """A derived publish's ``backfill.reads`` summary (the ledger's ``reads`` JSON) as
+    :func:`record_publish` takes it."""
+    if not value:
+        return None
+    return {
+        t: (int(v["snapshot_id"]), int(v["sequence_number"])) for t, v in json.loads(value).items()
+    }

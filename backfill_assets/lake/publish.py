@@ -23,7 +23,7 @@ from datetime import datetime
 from typing import Any
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.lake import audit, checks, ledger, replay, wap, windows
+from backfill_assets.lake import audit, checks, derived, ledger, replay, wap, windows
 from backfill_assets.lake.checks import CheckOutcome
 from backfill_assets.lake.replay import ReplayOutcome
 from backfill_assets.spec.model import TopicSpec
@@ -50,6 +50,11 @@ class PublishRequest:
     ledger_offsets: dict[datetime, dict[int, tuple[int, int]]] | None = None
     ledger_records: dict[datetime, int] | None = None
     ledger_event_hours: dict[datetime, dict[datetime, int]] | None = None
+    # raw: per Kafka hour, the event hours of the other versions of its event ids (a
+    # correction touches the hour of the version it supersedes)
+    ledger_superseded_hours: dict[datetime, set[datetime]] | None = None
+    # derived: the publish of each input the run read, (snapshot id, sequence number)
+    ledger_reads: dict[str, tuple[int, int]] | None = None
 
 
 @dataclass
@@ -104,10 +109,25 @@ def raw_request(
     contract = outcome.contract
     assert contract.windows is not None
     cells = contract.windows
+    superseded: dict[datetime, set[datetime]] = {}
+
+    def touched() -> None:
+        """The event hours of other versions of the run's event ids, from the branch the
+        publish would put on main (again after a rebase)."""
+        superseded.clear()
+        superseded.update(
+            derived.other_version_hours(
+                session, spec, outcome.branch.ident, contract.start, contract.end
+            )
+        )
 
     def rebase(attempt: int) -> tuple[wap.Branch, list[CheckOutcome]]:
         outcome.branch = replay.reapply(session, outcome, attempt)
-        return outcome.branch, checks.run_checks(session, spec, outcome)
+        results = checks.run_checks(session, spec, outcome)
+        touched()
+        return outcome.branch, results
+
+    touched()
 
     return PublishRequest(
         table=outcome.branch.table,
@@ -126,6 +146,7 @@ def raw_request(
             datetime.fromisoformat(h): {datetime.fromisoformat(e): n for e, n in late.items()}
             for h, late in outcome.event_hours.items()
         },
+        ledger_superseded_hours=superseded,
     )
 
 
@@ -247,6 +268,8 @@ def _record_publish(tables: CatalogClient, request: PublishRequest, snapshot: in
         offsets=request.ledger_offsets,
         records=request.ledger_records,
         event_hours=request.ledger_event_hours,
+        superseded_hours=request.ledger_superseded_hours,
+        reads=request.ledger_reads,
     )
     return int(total) if total is not None else None
 

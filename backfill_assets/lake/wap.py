@@ -234,6 +234,17 @@ def ref_snapshot_id(spark: SparkSession, table: str, ref: str) -> int | None:
     return None if found is None else int(found.snapshotId())
 
 
+def ref_snapshot(spark: SparkSession, table: str, ref: str) -> tuple[int, int] | None:
+    """(snapshot id, sequence number) of the snapshot ``ref`` of ``table`` points at now, None
+    if the table has no such ref."""
+    jtable = _java_table(spark, table)
+    found = jtable.refs().get(ref)
+    if found is None:
+        return None
+    snap_id = int(found.snapshotId())
+    return snap_id, int(jtable.snapshot(snap_id).sequenceNumber())
+
+
 def main_summary(spark: SparkSession, table: str) -> dict[str, str]:
     """The snapshot summary of main's current snapshot (empty if the table has none)."""
     snap = ref_snapshot_id(spark, table, "main")
