@@ -241,9 +241,10 @@ def test_raw_rollback_back_to_a_requested_snapshot_is_requested_again(
 
 @pytest.fixture
 def fresh(stack_settings: Settings) -> Iterator[World]:
-    """A topic of 6 closed hours, nothing published."""
+    """A topic of 6 closed hours, nothing published; no declared tables (only raw and current
+    state are requested)."""
     topic = f"fails_{uuid.uuid4().hex[:8]}"
-    spec = renamed(SPECS[0], topic=topic)
+    spec = renamed(SPECS[0], topic=topic, tables=())
     generate(
         stack_settings,
         GeneratorConfig(topic=topic, start=START, hours=6, events_per_hour=20, seed=31),
