@@ -1,35 +1,50 @@
 """Sensors that turn detected gaps and late data into exactly the needed partition runs.
 
 Requests are deduplicated across ticks: every request has a key made of what it covers and
-the state of main it was computed from; the cursor remembers keys already requested, and a
-request whose range is still queued or running is not repeated. A rollback or a new publish
-changes main, so a gap that reappears after it is requested again. Offsets are never
-committed anywhere: the published snapshots are the only checkpoint.
+the ledger's state it was computed from (:func:`backfill_assets.lake.ledger.generation`); the
+cursor remembers keys already requested, and hours whose runs are still queued or running are
+not requested again. Every publish and every rollback of any table changes the ledger's state
+(main's snapshot id does not: a rollback restores an earlier one), so a gap that reappears
+after a rollback is requested again.
+
+A request whose run failed is retried with backoff (``retry_backoff``, doubling per failure up
+to ``RETRY_BACKOFF_MAX``) and reported in the sensor's log and skip reason. Its hours are
+isolated from the others: a failed range is retried as its two halves, and a half that fails is
+halved again, so one hour that fails every time ends up retried alone while the hours around it
+and every later hour are requested apart from it. Offsets are never committed anywhere: the
+ledger is the only checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from datetime import datetime
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 
 import dagster as dg
 
 from backfill_assets.defs.assets import current_asset_key, raw_asset_key, table_asset_key
 from backfill_assets.defs.resources import IcebergResource, KafkaResource
-from backfill_assets.lake import detect
+from backfill_assets.lake import detect, ledger
+from backfill_assets.lake.windows import hours_between
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
 
 REQUEST_TAG = "backfill_assets/request"
 MAX_RANGE_HOURS = 168
 _CURSOR_KEYS = 500
-_ACTIVE = [
+RETRY_BACKOFF = timedelta(minutes=2)
+RETRY_BACKOFF_MAX = timedelta(hours=1)
+_ACTIVE = {
     dg.DagsterRunStatus.QUEUED,
     dg.DagsterRunStatus.NOT_STARTED,
     dg.DagsterRunStatus.STARTING,
     dg.DagsterRunStatus.STARTED,
-]
+    dg.DagsterRunStatus.CANCELING,
+}
+_FAILED = {dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED}
+_HISTORY_RUNS = 1000
 
 
 def gap_sensor_name(spec: TopicSpec) -> str:
@@ -59,7 +74,12 @@ def _merged(
     return out
 
 
-def build_gap_sensor(spec: TopicSpec, specs: list[TopicSpec] | None = None) -> dg.SensorDefinition:
+def build_gap_sensor(
+    spec: TopicSpec,
+    specs: list[TopicSpec] | None = None,
+    *,
+    retry_backoff: timedelta = RETRY_BACKOFF,
+) -> dg.SensorDefinition:
     raw, current = raw_asset_key(spec), current_asset_key(spec)
     tables = [table_asset_key(t.name) for t in spec.tables]
 
@@ -79,7 +99,7 @@ def build_gap_sensor(spec: TopicSpec, specs: list[TopicSpec] | None = None) -> d
         ns = iceberg.settings.catalog.namespace
         cat = iceberg.catalog()
         found = detect.find(kafka.client(), cat, ns, spec, specs=specs)
-        state = _main_state(iceberg, spec.raw_table)
+        state = ledger.generation(cat, ns)
         raw_and_current = set(found.raw_gaps)
         only_current = set(found.current_gaps) - raw_and_current
         wanted = [
@@ -98,13 +118,18 @@ def build_gap_sensor(spec: TopicSpec, specs: list[TopicSpec] | None = None) -> d
                     else f"it is NOT archived: run `backfill-assets archive --topic {spec.topic}`"
                 )
             )
-        return _requests(context, gap_sensor_name(spec), wanted, state, found.retention_risks)
+        return _requests(
+            context, gap_sensor_name(spec), wanted, state, found.retention_risks, retry_backoff
+        )
 
     return _gaps
 
 
 def build_late_data_sensor(
-    spec: TopicSpec, specs: list[TopicSpec] | None = None
+    spec: TopicSpec,
+    specs: list[TopicSpec] | None = None,
+    *,
+    retry_backoff: timedelta = RETRY_BACKOFF,
 ) -> dg.SensorDefinition:
     tables = [table_asset_key(t.name) for t in spec.tables if spec.topic in t.refs]
 
@@ -121,9 +146,12 @@ def build_late_data_sensor(
     def _late(
         context: dg.SensorEvaluationContext, iceberg: IcebergResource
     ) -> dg.SensorResult | dg.SkipReason:
-        due = detect.late_event_hours(iceberg.catalog(), iceberg.settings.catalog.namespace, spec)
-        state = _main_state(iceberg, spec.raw_table)
-        return _requests(context, late_sensor_name(spec), _merged("late", due), state)
+        cat, ns = iceberg.catalog(), iceberg.settings.catalog.namespace
+        due = detect.late_event_hours(cat, ns, spec)
+        state = ledger.generation(cat, ns)
+        return _requests(
+            context, late_sensor_name(spec), _merged("late", due), state, None, retry_backoff
+        )
 
     return _late
 
@@ -134,15 +162,35 @@ def _requests(
     wanted: Iterable[tuple[str, list[dg.AssetKey], list[datetime]]],
     state: str,
     risks: list[dict[str, object]] | None = None,
+    retry_backoff: timedelta = RETRY_BACKOFF,
 ) -> dg.SensorResult | dg.SkipReason:
     seen: list[str] = json.loads(context.cursor) if context.cursor else []
-    active = _active_requests(context.instance, sensor)
+    history = _history(context.instance, sensor)
+    now = datetime.now(UTC)
     requests: list[dg.RunRequest] = []
+    waiting: list[str] = []
     for kind, keys, hours in wanted:
-        for first, last in detect.contiguous(hours, MAX_RANGE_HOURS):
+        for first, last in _spans(kind, hours, history):
             span = f"{first:{detect.PARTITION_FMT}}...{last:{detect.PARTITION_FMT}}"
-            key = f"{kind}:{span}@{state}"
-            if key in seen or f"{kind}:{span}" in active:
+            tag = f"{kind}:{span}"
+            failed = history.failed.get(tag)
+            attempt = ""
+            if failed is not None:
+                due_at = failed.ended + min(
+                    retry_backoff * 2 ** (failed.count - 1), max(RETRY_BACKOFF_MAX, retry_backoff)
+                )
+                if due_at > now:
+                    waiting.append(
+                        f"{tag} failed {failed.count} time(s) (last run {failed.run_id}); "
+                        f"next retry at {due_at.isoformat(timespec='seconds')}"
+                    )
+                    continue
+                attempt = f"#retry{failed.count}"
+                context.log.warning(
+                    f"{tag}: run {failed.run_id} failed ({failed.count} time(s)); retrying"
+                )
+            key = f"{tag}@{state}{attempt}"
+            if key in seen:
                 continue
             seen.append(key)
             requests.append(
@@ -152,14 +200,18 @@ def _requests(
                     tags={
                         "dagster/asset_partition_range_start": f"{first:{detect.PARTITION_FMT}}",
                         "dagster/asset_partition_range_end": f"{last:{detect.PARTITION_FMT}}",
-                        REQUEST_TAG: f"{kind}:{span}",
+                        REQUEST_TAG: tag,
                     },
                 )
             )
+    for note in waiting:
+        context.log.warning(f"failed request waiting for its retry: {note}")
     cursor = json.dumps(seen[-_CURSOR_KEYS:])
     if requests:
         return dg.SensorResult(run_requests=requests, cursor=cursor)
     reason = "nothing uncovered, or every gap is already requested"
+    if waiting:
+        reason += "; FAILED, retried with backoff: " + "; ".join(waiting)
     if risks:
         reason += "; RETENTION RISK: " + "; ".join(
             f"{r['topic']} {r['hour']} leaves Kafka at {r['leaves_kafka_at']} "
@@ -170,19 +222,87 @@ def _requests(
     return dg.SkipReason(reason)
 
 
-def _active_requests(instance: dg.DagsterInstance, sensor: str) -> set[str]:
-    """Request tags of this sensor's runs that are queued or running."""
+@dataclass(frozen=True)
+class _Failed:
+    """Failures of one request (kind and span) since its last success."""
+
+    count: int
+    ended: datetime
+    run_id: str
+
+
+@dataclass
+class _History:
+    """What this sensor's earlier runs say: the hours still queued or running per kind, and
+    the requests whose runs failed since they last succeeded."""
+
+    active: dict[str, set[datetime]] = field(default_factory=dict)
+    failed: dict[str, _Failed] = field(default_factory=dict)
+
+
+def _parse_tag(tag: str) -> tuple[str, datetime, datetime] | None:
+    kind, _, span = tag.partition(":")
+    first, _, last = span.partition("...")
+    try:
+        return (
+            kind,
+            datetime.strptime(first, detect.PARTITION_FMT).replace(tzinfo=UTC),
+            datetime.strptime(last, detect.PARTITION_FMT).replace(tzinfo=UTC),
+        )
+    except ValueError:
+        return None
+
+
+def _history(instance: dg.DagsterInstance, sensor: str) -> _History:
     records = instance.get_run_records(
-        dg.RunsFilter(tags={"dagster/sensor_name": sensor}, statuses=_ACTIVE), limit=500
+        dg.RunsFilter(tags={"dagster/sensor_name": sensor}), limit=_HISTORY_RUNS
     )
-    return {r.dagster_run.tags.get(REQUEST_TAG, "") for r in records}
+    out = _History()
+    succeeded: set[str] = set()
+    for record in records:  # newest first
+        run = record.dagster_run
+        tag = run.tags.get(REQUEST_TAG)
+        parsed = _parse_tag(tag) if tag else None
+        if tag is None or parsed is None:
+            continue
+        kind, first, last = parsed
+        if run.status in _ACTIVE:
+            out.active.setdefault(kind, set()).update(hours_between(first, last + detect.HOUR))
+        elif run.status == dg.DagsterRunStatus.SUCCESS:
+            succeeded.add(tag)
+        elif run.status in _FAILED and tag not in succeeded:
+            ended = datetime.fromtimestamp(
+                record.end_time or record.create_timestamp.timestamp(), UTC
+            )
+            prior = out.failed.get(tag)
+            out.failed[tag] = (
+                _Failed(prior.count + 1, prior.ended, prior.run_id)
+                if prior is not None
+                else _Failed(1, ended, run.run_id)
+            )
+    return out
 
 
-def _main_state(iceberg: IcebergResource, table: str) -> str:
-    """An identifier of main's current snapshot of ``table`` (or 'none')."""
-    ident = iceberg.identifier(table)
-    cat = iceberg.catalog()
-    if not cat.table_exists(ident):
-        return "none"
-    snap = cat.load_table(ident).metadata.current_snapshot_id
-    return str(snap) if snap is not None else "none"
+def _spans(
+    kind: str, hours: Iterable[datetime], history: _History
+) -> list[tuple[datetime, datetime]]:
+    """The ranges to request for ``hours`` of ``kind``: hours whose runs are in flight are
+    left out; hours of a failed request are requested apart from the others, in halves of the
+    smallest failed range that holds them (one hour alone once that range is one hour)."""
+    busy = history.active.get(kind, set())
+    failed = [p[1:] for tag in history.failed if (p := _parse_tag(tag)) and p[0] == kind]
+    groups: dict[tuple[datetime, datetime] | None, list[datetime]] = {}
+    for hour in sorted(set(hours) - busy):
+        holding = [(a, b) for a, b in failed if a <= hour <= b]
+        group = None
+        if holding:
+            a, b = min(holding, key=lambda s: s[1] - s[0])
+            if a < b:
+                mid = a + ((b - a) // detect.HOUR // 2) * detect.HOUR
+                a, b = (a, mid) if hour <= mid else (mid + detect.HOUR, b)
+            group = (a, b)
+        groups.setdefault(group, []).append(hour)
+    out: list[tuple[datetime, datetime]] = []
+    for members in groups.values():
+        out.extend(detect.contiguous(members, MAX_RANGE_HOURS))
+    return sorted(out)

@@ -9,9 +9,11 @@ published Kafka hour; only a publish whose ledger rows predate that has its own 
 never starts Spark, so sensors stay cheap.
 
 Kafka-time hours are compared as units: an hour "has records" when some partition's offsets
-for it are non-empty (ListOffsets-by-timestamp at the hour's bounds). Transaction markers and
-compaction holes only shift offsets inside an hour's range, so they never create a gap.
-
+for it hold a committed record. What Kafka holds is bounded by ListOffsets (log start, last
+stable offset), never by reading the record at ``high_watermark - 1``: on a transactional topic
+that offset is a commit marker, which a committed reader never receives. Published hours take
+their offsets from the ledger; only offsets no published window holds are read (committed
+records, timestamps only), so a tick costs what is unpublished (:func:`kafka_hours`).
 A declared table's candidate hours are the event hours that exist (recorded by the raw
 publishes in the ledger) and the hours that look back on them, as well as the Kafka hours that
 hold records: an outage hour holds no records but can have late events. A publish makes an
@@ -35,6 +37,7 @@ from backfill_assets.spec.model import TableSpec, TopicSpec
 from backfill_assets.stack.kafka import KafkaClient
 
 HOUR = timedelta(hours=1)
+HOUR_MS = 3_600_000
 PARTITION_FMT = "%Y-%m-%d-%H:%M"
 
 
@@ -145,41 +148,207 @@ def _ms(moment: datetime) -> int:
     return int(moment.timestamp() * 1000)
 
 
-def record_hours(
-    kafka: KafkaClient, topic: str, floor: datetime
-) -> tuple[datetime, datetime] | None:
-    """The hours of the oldest and the newest record still in Kafka (oldest not before
-    ``floor``), read from the first and last record of each partition; None if empty.
+# Records read per tick from the offsets the ledger does not cover, before the rest is left to
+# ListOffsets-by-timestamp probes (exact on topics without transactions; see kafka_hours).
+READ_BUDGET = 500_000
+_POLL_S = 0.05
 
-    All partitions are assigned at once, first at their log start, then at their last offset,
-    so a tick makes two fetch rounds whatever the partition count (one poll per partition
-    waited up to half a second each: 12 s for 12 partitions, bench/sensors.py)."""
-    from confluent_kafka import TopicPartition
 
-    consumer = kafka.offsets_consumer()
-    stamps: list[int] = []
+def kafka_hours(
+    kafka: KafkaClient,
+    topic: str,
+    floor: datetime,
+    until: datetime,
+    known: dict[datetime, dict[int, tuple[int, int]]] | None = None,
+    *,
+    read_budget: int = READ_BUDGET,
+) -> dict[datetime, dict[int, tuple[int, int]]]:
+    """Kafka-time hours in ``[floor, until)`` that hold committed records, with their offsets.
+
+    Bounded by what Kafka says it holds (ListOffsets: log start, last stable offset), never by
+    a record read at ``high_watermark - 1``, which on a transactional topic is a commit marker
+    that a committed reader never receives. Hours in ``known`` (the ledger's published windows
+    of the topic's raw table) take their offsets from there. The offsets below the last stable
+    offset that no published window holds are read once (committed records only, timestamps
+    only; aborted records and markers are skipped by the broker), each record going to the hour
+    of the highest timestamp seen so far in its partition (the ListOffsets-by-timestamp rule
+    the windows follow), kept between the published hours around it. ListOffsets by timestamp
+    alone is not used for them: on a transactional topic its answer for a back-dated hour is a
+    commit marker stamped with the broker's clock, which makes every later hour look empty.
+
+    A tick therefore costs what is unpublished: nothing to read when the ledger covers the log.
+    Past ``read_budget`` records, the rest of a partition is probed by timestamp
+    (:func:`hours_with_records`) up to the hour of the topic's max timestamp (ListOffsets)."""
+    known = known or {}
+    out: dict[datetime, dict[int, tuple[int, int]]] = {
+        h: dict(r)
+        for h, r in known.items()
+        if floor <= h < until and any(e > s for s, e in r.values())
+    }
+    ends = kafka.log_ends(topic)
+    tasks = {p: _unpublished(known, p, low, lso) for p, (low, lso, _hw) in ends.items()}
+    tasks = {p: t for p, t in tasks.items() if t}
+    if not tasks:
+        return out
+    cells, rest = _read_hours(kafka, topic, tasks, read_budget)
+    for hour_ms, per in cells.items():
+        hour = datetime.fromtimestamp(hour_ms / 1000, UTC)
+        if floor <= hour < until:
+            out.setdefault(hour, {}).update(per)
+    if rest:
+        newest = _max_timestamp_hour(kafka, topic, list(rest))
+        lowest = min(ms for _offset, ms in rest.values())
+        first = floor if lowest < 0 else max(floor, datetime.fromtimestamp(lowest / 1000, UTC))
+        last = min(until, newest + HOUR) if newest is not None else until
+        probed = hours_with_records(kafka, topic, first, last) if first < last else {}
+        for hour, ranges in probed.items():
+            for p, (s, e) in ranges.items():
+                if p in rest and e > max(s, rest[p][0]):
+                    out.setdefault(hour, {})[p] = (max(s, rest[p][0]), e)
+    return out
+
+
+def _unpublished(
+    known: dict[datetime, dict[int, tuple[int, int]]], partition: int, low: int, lso: int
+) -> list[tuple[int, int, int | None, int | None]]:
+    """Offset ranges of ``partition`` below ``lso`` that no published window holds, each with
+    the hours (epoch ms) of the published windows before and after it (None: none)."""
+    chain = sorted(
+        # Absent from a published hour: the partition did not exist yet (it starts at 0).
+        (_ms(h), *r.get(partition, (0, 0)))
+        for h, r in known.items()
+    )
+    out: list[tuple[int, int, int | None, int | None]] = []
+    start, before = low, None
+    for hour_ms, s, e in chain:
+        if min(s, lso) > start:
+            out.append((start, min(s, lso), before, hour_ms))
+        start, before = max(start, e), hour_ms
+    if lso > start:
+        out.append((start, lso, before, None))
+    return out
+
+
+def _read_hours(
+    kafka: KafkaClient,
+    topic: str,
+    tasks: dict[int, list[tuple[int, int, int | None, int | None]]],
+    budget: int,
+) -> tuple[dict[int, dict[int, tuple[int, int]]], dict[int, tuple[int, int]]]:
+    """Hour (epoch ms) -> partition -> offsets of the committed records in the given ranges,
+    and, per partition left unread (budget spent, or no answer), (next offset, its hour)."""
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+    cells: dict[int, dict[int, tuple[int, int]]] = {}
+    rest: dict[int, tuple[int, int]] = {}
+    pending = {p: list(reversed(t)) for p, t in tasks.items()}
+    state: dict[int, list[int]] = {}  # partition -> [end, hour, cell start, running, lo, hi]
+
+    def close(p: int, at: int) -> None:
+        end, hour, cell_start = state[p][0], state[p][1], state[p][2]
+        if hour >= 0 and min(at, end) > cell_start:
+            cells.setdefault(hour, {})[p] = (cell_start, min(at, end))
+
+    def begin(p: int) -> TopicPartition:
+        start, end, before, after = pending[p].pop()
+        lo = before + HOUR_MS if before is not None else -1
+        hi = after - HOUR_MS if after is not None else 1 << 62
+        state[p] = [end, -1, start, lo, lo, hi]
+        return TopicPartition(topic, p, start)
+
+    consumer = Consumer(
+        {
+            **kafka.settings.kafka.range_reader_config(),
+            # Required by librdkafka; never joined (assign, not subscribe) or committed.
+            "group.id": "backfill-assets-gap-scan",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "enable.partition.eof": True,
+            "isolation.level": "read_committed",
+        }
+    )
+    read = 0
     try:
-        marks = {p: (lo, hi) for p, (lo, hi) in kafka.watermarks(topic).items() if hi > lo}
-        for pick in (0, 1):
-            want = {p: (lo if pick == 0 else hi - 1) for p, (lo, hi) in marks.items()}
-            if not want:
-                break
-            consumer.assign([TopicPartition(topic, p, o) for p, o in want.items()])
-            deadline = time.monotonic() + kafka.request_timeout_s
-            while want and time.monotonic() < deadline:
-                for msg in consumer.consume(num_messages=len(want), timeout=0.5):
-                    p = msg.partition()
-                    if msg.error() is None and p in want:
-                        stamps.append(msg.timestamp()[1])
-                        del want[p]
-            consumer.unassign()
+        consumer.assign([begin(p) for p in sorted(pending)])
+        active = set(state)
+        idle_since = time.monotonic()
+        while active:
+            msgs = consumer.consume(num_messages=10_000, timeout=_POLL_S)
+            if not msgs:
+                if time.monotonic() - idle_since > kafka.request_timeout_s:
+                    break
+                continue
+            idle_since = time.monotonic()
+            finished: set[int] = set()
+            for msg in msgs:
+                p = msg.partition()
+                if p is None or p not in active or p in finished:
+                    continue
+                st = state[p]
+                err = msg.error()
+                offset = msg.offset()
+                if err is not None:
+                    if err.code() != KafkaError._PARTITION_EOF:
+                        raise RuntimeError(
+                            f"topic {topic!r} partition {p}: Kafka error while looking for "
+                            f"gaps: {err.str()}"
+                        )
+                    finished.add(p)
+                    continue
+                assert offset is not None
+                if offset >= st[0]:
+                    finished.add(p)
+                    continue
+                read += 1
+                ts = msg.timestamp()[1]
+                hour = min(max(st[3], ts - ts % HOUR_MS), st[5])
+                st[3] = max(st[3], hour)
+                if hour != st[1]:
+                    if st[1] >= 0:
+                        close(p, offset)
+                        st[2] = offset
+                    st[1] = hour
+                if offset + 1 >= st[0]:
+                    finished.add(p)
+                elif read >= budget:
+                    rest[p] = (offset + 1, st[1])
+                    close(p, offset + 1)
+                    finished.add(p)
+                    pending[p] = []
+            for p in finished:
+                if p not in rest:
+                    close(p, state[p][0])
+                consumer.incremental_unassign([TopicPartition(topic, p)])
+                if pending[p] and read < budget:
+                    consumer.incremental_assign([begin(p)])
+                    continue
+                if pending[p]:  # budget spent before this range: left to the probes
+                    start, _end, before, _after = pending[p][-1]
+                    rest[p] = (start, before + HOUR_MS if before is not None else -1)
+                active.discard(p)
+        for p in active:  # no answer within the request timeout: left to the probes
+            rest[p] = (state[p][2], max(state[p][1], state[p][4]))
+            close(p, state[p][2])
     finally:
         consumer.close()
-    if not stamps:
-        return None
-    oldest = _hour(datetime.fromtimestamp(min(stamps) / 1000, UTC))
-    newest = _hour(datetime.fromtimestamp(max(stamps) / 1000, UTC))
-    return max(oldest, floor), newest
+    return cells, rest
+
+
+def _max_timestamp_hour(kafka: KafkaClient, topic: str, parts: list[int]) -> datetime | None:
+    """The hour of the greatest timestamp Kafka holds in ``parts`` (ListOffsets max-timestamp;
+    on a transactional topic possibly a marker's, stamped with the broker's clock)."""
+    from confluent_kafka import IsolationLevel, TopicPartition
+    from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
+
+    admin = kafka.admin()  # kept alive until the answers arrive
+    futures = admin.list_offsets(
+        {TopicPartition(topic, p): OffsetSpec.max_timestamp() for p in parts},  # type: ignore[no-untyped-call]
+        isolation_level=IsolationLevel.READ_COMMITTED,
+        request_timeout=kafka.request_timeout_s,
+    )
+    stamps = [int(f.result(kafka.request_timeout_s).timestamp) for f in futures.values()]
+    stamps = [ms for ms in stamps if ms >= 0]
+    return _hour(datetime.fromtimestamp(max(stamps) / 1000, UTC)) if stamps else None
 
 
 def find(
@@ -197,16 +366,12 @@ def find(
     now = now or datetime.now(UTC)
     last_closed = now.replace(minute=0, second=0, microsecond=0)
     findings = Findings(closed_until=last_closed)
-    span = record_hours(kafka, spec.topic, spec.partition_start)
-    if span is None:
-        return findings
-    # Hours after the newest record hold nothing (its hour's end is the last bound needed);
-    # records newer than the last closed hour wait until their hour closes.
+    # Records newer than the last closed hour wait until their hour closes.
     raw_entries = ledger.coverage(
         catalog, namespace, f"{catalog.name}.{namespace}.{spec.raw_table}"
     )
-    in_kafka = hours_with_records(
-        kafka, spec.topic, span[0], min(last_closed, span[1] + HOUR), _windows(raw_entries)
+    in_kafka = kafka_hours(
+        kafka, spec.topic, spec.partition_start, last_closed, _windows(raw_entries)
     )
     raw_pub = {h: _publish(e) for h, e in raw_entries.items()}
     cur_pub = covered_hours(published(catalog, f"{namespace}.{spec.current_table}"))
@@ -214,7 +379,7 @@ def find(
     findings.current_gaps = sorted(h for h in in_kafka if h not in cur_pub)
     every = list(specs) if specs is not None else [spec]
     known = declared.relations(every)
-    kafka_hours = {spec.topic: in_kafka}
+    by_topic = {spec.topic: in_kafka}
     coverage: dict[str, dict[datetime, Publish]] = {}
     raw_coverage = {spec.topic: raw_entries}
 
@@ -225,20 +390,11 @@ def find(
         return raw_coverage[topic]
 
     def expected(topic: str) -> dict[datetime, dict[int, tuple[int, int]]]:
-        if topic not in kafka_hours:
-            other = record_hours(kafka, topic, spec.partition_start)
-            kafka_hours[topic] = (
-                hours_with_records(
-                    kafka,
-                    topic,
-                    other[0],
-                    min(last_closed, other[1] + HOUR),
-                    _windows(raw_of(topic)),
-                )
-                if other
-                else {}
+        if topic not in by_topic:
+            by_topic[topic] = kafka_hours(
+                kafka, topic, spec.partition_start, last_closed, _windows(raw_of(topic))
             )
-        return kafka_hours[topic]
+        return by_topic[topic]
 
     def covered(table: str) -> dict[datetime, Publish]:
         if table not in coverage:

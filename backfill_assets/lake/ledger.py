@@ -139,6 +139,20 @@ def _append(
             table = catalog.load_table(_ident(namespace))
 
 
+def generation(catalog: Catalog, namespace: str) -> str:
+    """An identifier of the ledger's current state ("none" before its first row).
+
+    Every publish and every rollback of any table appends to the ledger, a new Iceberg commit
+    with a new snapshot id, so the value changes with each of them and never returns to an
+    earlier one, unlike main's snapshot of a table, which a rollback restores."""
+    try:
+        table = catalog.load_table(_ident(namespace))
+    except NoSuchTableError:
+        return "none"
+    snap = table.metadata.current_snapshot_id
+    return str(snap) if snap is not None else "none"
+
+
 def record_publish(
     catalog: Catalog,
     namespace: str,
