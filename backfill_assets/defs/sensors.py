@@ -1,5 +1,12 @@
 """Sensors that turn detected gaps and late data into exactly the needed partition runs.
 
+The gap sensor also reports, as materializations with ``empty: true`` and zero rows, the hours
+no run covers that provably hold nothing (:mod:`backfill_assets.lake.empty`): hours before the
+data, between separately published ranges, after the newest record. So "Missing" on a
+partition bar is a real gap (records not published), or an hour not settled yet. These reports
+never enter the ledger: they are not coverage, and an hour that gains records later is
+requested like any other gap (its run's materialization then replaces the report).
+
 Requests are deduplicated across ticks: every request has a key made of what it covers and
 the state of main it was computed from; the cursor remembers keys already requested, and a
 request whose range is still queued or running is not repeated. A rollback or a new publish
@@ -16,13 +23,19 @@ from datetime import datetime
 import dagster as dg
 
 from backfill_assets.defs.assets import current_asset_key, raw_asset_key, table_asset_key
+from backfill_assets.defs.partitions import kafka_hours
 from backfill_assets.defs.resources import IcebergResource, KafkaResource
-from backfill_assets.lake import detect
+from backfill_assets.lake import detect, empty
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
 
 REQUEST_TAG = "backfill_assets/request"
 MAX_RANGE_HOURS = 168
+# Known-empty hours reported per tick, newest first: a fresh deployment whose partition_start
+# is months before the data drains its backlog over a few ticks (the daemon stores the
+# reports one by one), and a tick stays short.
+MAX_EMPTY_REPORTS = 2000
+EMPTY_TAG = "backfill_assets/empty"
 _CURSOR_KEYS = 500
 _ACTIVE = [
     dg.DagsterRunStatus.QUEUED,
@@ -87,6 +100,7 @@ def build_gap_sensor(spec: TopicSpec, specs: list[TopicSpec] | None = None) -> d
             ("current", [current], sorted(only_current)),
             *_merged("derived", found.tables_due),
         ]
+        reports = _empty_reports(context, kafka, iceberg, spec, specs)
         for risk in found.retention_risks:
             context.log.warning(
                 f"retention risk: {risk['topic']} hour {risk['hour']} (offsets "
@@ -98,9 +112,58 @@ def build_gap_sensor(spec: TopicSpec, specs: list[TopicSpec] | None = None) -> d
                     else f"it is NOT archived: run `backfill-assets archive --topic {spec.topic}`"
                 )
             )
-        return _requests(context, gap_sensor_name(spec), wanted, state, found.retention_risks)
+        return _requests(
+            context, gap_sensor_name(spec), wanted, state, found.retention_risks, reports
+        )
 
     return _gaps
+
+
+def _empty_reports(
+    context: dg.SensorEvaluationContext,
+    kafka: KafkaResource,
+    iceberg: IcebergResource,
+    spec: TopicSpec,
+    specs: list[TopicSpec] | None,
+) -> list[dg.AssetMaterialization]:
+    """Materializations, marked empty, of the known-empty hours Dagster has none for yet."""
+    known = empty.find(
+        kafka.client(), iceberg.catalog(), iceberg.settings.catalog.namespace, spec, specs=specs
+    )
+    partitions_def = kafka_hours(spec)
+    valid = set(partitions_def.get_partition_keys())
+    wanted: list[tuple[datetime, dg.AssetKey, str]] = []
+    per_asset = [
+        (raw_asset_key(spec), known.kafka, "Kafka hour"),
+        (current_asset_key(spec), known.kafka, "Kafka hour"),
+        *((table_asset_key(n), hours, "event hour") for n, hours in known.tables.items()),
+    ]
+    for key, hours, what in per_asset:
+        done = context.instance.get_materialized_partitions(key)
+        for hour in hours:
+            pkey = f"{hour:{detect.PARTITION_FMT}}"
+            if pkey in valid and pkey not in done:
+                wanted.append((hour, key, what))
+    wanted.sort(key=lambda w: (w[0], w[1].to_user_string()), reverse=True)
+    if len(wanted) > MAX_EMPTY_REPORTS:
+        context.log.info(
+            f"{len(wanted)} known-empty hours to report; {MAX_EMPTY_REPORTS} now (newest first), "
+            "the rest on the next ticks"
+        )
+    return [
+        dg.AssetMaterialization(
+            asset_key=key,
+            partition=f"{hour:{detect.PARTITION_FMT}}",
+            description=f"Nothing to hold: the {what} is sealed and holds no records.",
+            metadata={
+                "empty": True,
+                "dagster/partition_row_count": 0,
+                "reported_by": gap_sensor_name(spec),
+            },
+            tags={EMPTY_TAG: "true"},
+        )
+        for hour, key, what in wanted[:MAX_EMPTY_REPORTS]
+    ]
 
 
 def build_late_data_sensor(
@@ -134,6 +197,7 @@ def _requests(
     wanted: Iterable[tuple[str, list[dg.AssetKey], list[datetime]]],
     state: str,
     risks: list[dict[str, object]] | None = None,
+    reports: list[dg.AssetMaterialization] | None = None,
 ) -> dg.SensorResult | dg.SkipReason:
     seen: list[str] = json.loads(context.cursor) if context.cursor else []
     active = _active_requests(context.instance, sensor)
@@ -158,7 +222,7 @@ def _requests(
             )
     cursor = json.dumps(seen[-_CURSOR_KEYS:])
     if requests:
-        return dg.SensorResult(run_requests=requests, cursor=cursor)
+        return dg.SensorResult(run_requests=requests, cursor=cursor, asset_events=reports or [])
     reason = "nothing uncovered, or every gap is already requested"
     if risks:
         reason += "; RETENTION RISK: " + "; ".join(
@@ -166,6 +230,9 @@ def _requests(
             + ("(archived)" if r["archived"] else "(NOT archived)")
             for r in risks
         )
+    if reports:
+        reason += f"; reported {len(reports)} known-empty hour(s) as empty materializations"
+        return dg.SensorResult(skip_reason=reason, cursor=cursor, asset_events=reports)
     context.update_cursor(cursor)
     return dg.SkipReason(reason)
 
