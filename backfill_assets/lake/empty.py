@@ -178,14 +178,15 @@ def _newest_timestamp_hour(kafka: KafkaClient, topic: str, parts: list[int]) -> 
     from confluent_kafka import IsolationLevel, TopicPartition
     from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
 
-    futures = kafka.admin().list_offsets(
+    admin = kafka.admin()  # kept referenced until the answers are in: it runs the requests
+    futures = admin.list_offsets(
         {TopicPartition(topic, p): OffsetSpec.max_timestamp() for p in parts},  # type: ignore[no-untyped-call]
         isolation_level=IsolationLevel.READ_UNCOMMITTED,
         request_timeout=kafka.request_timeout_s,
     )
     stamps = []
     for future in futures.values():
-        info = future.result()
+        info = future.result(timeout=kafka.request_timeout_s)
         if info.offset < 0 or info.timestamp < 0:
             return None
         stamps.append(int(info.timestamp))
