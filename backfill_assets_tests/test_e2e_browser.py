@@ -326,18 +326,29 @@ def _missing(stack_env: dict[str, str], key: dg.AssetKey, now: datetime) -> set[
 
 
 def _partitions_page(
-    driver: WebDriver, url: str, key: dg.AssetKey, missing: set[str], shot: Path | None = None
+    driver: WebDriver,
+    url: str,
+    key: dg.AssetKey,
+    missing: set[str],
+    shot: Path | None = None,
+    empty: str | None = None,
 ) -> str:
-    """Open the asset's partitions page; wait until its health shows exactly ``missing``
-    (and save a screenshot of the whole bar to ``shot``); then show only the missing
-    partitions and wait until the list names each of them; return the page text."""
+    """Open the asset's partitions page (with the known-empty partition ``empty`` selected,
+    whose details must show the gap sensor's report); wait until its health shows exactly
+    ``missing`` (and save a screenshot of the whole bar to ``shot``); then show only the
+    missing partitions and wait until the list names each of them; return the page text."""
     from selenium.webdriver.common.by import By
 
-    driver.get(f"{url}/assets/{'/'.join(key.path)}?view=partitions")
+    selected = f"&partition={empty}" if empty else ""
+    driver.get(f"{url}/assets/{'/'.join(key.path)}?view=partitions{selected}")
     _wait_for(
         driver,
-        lambda t: f"Missing ({len(missing)})" in t and "Failed (0)" in t,
-        f"Missing ({len(missing)})",
+        lambda t: (
+            f"Missing ({len(missing)})" in t
+            and "Failed (0)" in t
+            and (empty is None or "reported_by" in t)
+        ),
+        f"Missing ({len(missing)})" + (f" and the empty report of {empty}" if empty else ""),
     )
     if shot is not None:
         time.sleep(1)  # let the status bar finish its layout
@@ -374,7 +385,7 @@ def test_partition_bar_says_missing_only_for_real_gaps(
     raw_missing = _missing(stack_env, RAW, now)
     assert raw_missing == {_key(0), _key(5)}, sorted(raw_missing)
     shot = ARTIFACTS / f"raw_{SPEC.topic}_bar.png"
-    text = _partitions_page(browser, dagster_services, RAW, raw_missing, shot)
+    text = _partitions_page(browser, dagster_services, RAW, raw_missing, shot, empty=_key(-1))
     (ARTIFACTS / f"raw_{SPEC.topic}_bar.txt").write_text(text)
     shutil.copyfile(shot, DOCS_SHOT)
 
