@@ -4,7 +4,15 @@ A partition-range backfill of the raw asset is launched with the webserver's Gra
 ``launchPartitionBackfill`` (the one the UI's "Materialize" dialog sends; no CLI tags), the
 daemon executes it, and the test checks that main of the raw Iceberg table was published by that
 backfill's run, with every blocking check passed. Then headless Chromium opens the asset's
-partitions page and a screenshot is kept as an artifact.
+partitions page and a screenshot is kept as an artifact. Last, the gap sensor's tick (evaluated
+here against the webserver's instance and stored as the daemon stores it) reports the hours with
+nothing to hold, and the partition bars of ``raw/orders`` and of the declared ``orders_hourly``
+say Missing only for real gaps and hours not settled yet; that screenshot of ``raw/orders`` is
+also written to ``docs/ui-partitions.png``, the README's picture (commit it when it changes).
+
+The history is recent (it ends 6 hours before now) and the spec served is the shipped one with
+``partition_start`` two hours before it, so the bar is a dozen hours a reader can see, not every
+hour since the shipped start.
 
 The webserver serves the code location of ``topics.yaml``, so the topic is the shipped
 ``orders`` (as in test_operator.py, which fills the same topic): this module must run in a
@@ -17,20 +25,26 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import dagster as dg
 import pytest
 
-from backfill_assets.defs.definitions import SPECS
+from backfill_assets.defs.assets import build_topic_assets, table_asset_key
+from backfill_assets.defs.definitions import RESOURCES, SPECS
+from backfill_assets.defs.partitions import kafka_hours
+from backfill_assets.defs.sensors import build_gap_sensor
 from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate
 from backfill_assets.lake.checks import CHECK_NAMES
 from backfill_assets.ops import launch
+from backfill_assets.spec.loader import load_specs
+from backfill_assets.spec.model import SPEC_PATH
 from backfill_assets.stack.settings import REPO_ROOT, Settings
 
 if TYPE_CHECKING:
@@ -41,9 +55,19 @@ pytestmark = pytest.mark.browser
 
 SPEC = SPECS[0]
 RAW = dg.AssetKey(["raw", SPEC.topic])
-START = datetime(2026, 6, 1, tzinfo=UTC)
-RANGE = ("2026-06-01-01:00", "2026-06-01-04:00")  # four hourly partitions, inclusive
-HOURS = [datetime(2026, 6, 1, h, tzinfo=UTC).isoformat() for h in range(1, 5)]
+# Six hours of history ending six hours before now: Kafka hours 6..11 hold nothing, and every
+# event hour up to 8 has its allowed lateness (3 h) behind it.
+START = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=12)
+FIRST = START - timedelta(hours=2)  # the served spec's partition_start
+
+
+def _key(hour: int) -> str:
+    return f"{START + timedelta(hours=hour):%Y-%m-%d-%H:%M}"
+
+
+RANGE = (_key(1), _key(4))  # four hourly partitions, inclusive
+HOURS = [(START + timedelta(hours=h)).isoformat() for h in range(1, 5)]
+DOCS_SHOT = REPO_ROOT / "docs" / "ui-partitions.png"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 ARTIFACTS = REPO_ROOT / ".stack" / "artifacts" / "e2e"
@@ -91,6 +115,24 @@ def _browser_installed() -> None:
         import selenium  # noqa: F401
     except ImportError:
         pytest.fail("the browser tier needs selenium: .venv/bin/pip install -e '.[dev]'")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _served_spec(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The shipped spec with partition_start at FIRST, served by the webserver and daemon (and
+    their runs), and no seal grace: the newest closed hour counts as sealed at once. Session
+    scoped and autouse, so it is in the environment before the services start."""
+    spec_dir = tmp_path_factory.mktemp("spec")
+    shutil.copytree(SPEC_PATH.parent / "tables", spec_dir / "tables")
+    text = SPEC_PATH.read_text()
+    shipped = f'partition_start: "{SPEC.partition_start.isoformat()}"'
+    assert shipped in text, shipped
+    path = spec_dir / "topics.yaml"
+    path.write_text(text.replace(shipped, f'partition_start: "{FIRST.isoformat()}"'))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BACKFILL_SPEC", str(path))
+        mp.setenv("BACKFILL_SEAL_GRACE_S", "0")
+        yield path
 
 
 @dataclass(frozen=True)
@@ -220,7 +262,7 @@ def test_ui_shows_the_materialized_partitions(
     # The first visit opens a "Join the Dagster community" dialog over the page; its Skip
     # button sends this mutation, so the dialog stays closed.
     launch.DagsterClient(dagster_services).query("mutation { setNuxSeen }", {})
-    keys = [f"2026-06-01-{h:02d}:00" for h in range(1, 5)]
+    keys = [_key(h) for h in range(1, 5)]
     browser.get(
         f"{dagster_services}/assets/{'/'.join(RAW.path)}?view=partitions&partition={keys[-1]}"
     )
@@ -247,3 +289,115 @@ def test_ui_shows_the_materialized_partitions(
     assert all(f"\n{k}\n" in text for k in keys), text
     run = re.search(r"\nRun\n([0-9a-f]{8})\n", text)
     assert run is not None and run[1] in {r[:8] for r in backfill.runs}, text
+
+
+def _report_empty_hours(stack_env: dict[str, str], served: Path) -> set[str]:
+    """One tick of the gap sensor over the served spec, its asset events stored in the
+    webserver's instance as the daemon stores them (the daemon's sensors are off in the test
+    stack, and its run requests are not launched here). Returns the partitions reported."""
+    specs = load_specs(served)
+    spec = next(s for s in specs if s.topic == SPEC.topic)
+    assets = build_topic_assets(spec, specs)
+    sensor = build_gap_sensor(spec, specs)
+    home = Path(stack_env["BACKFILL_HOME"]) / "dagster-home"
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        context = dg.build_sensor_context(
+            instance=instance,
+            resources=RESOURCES,
+            definitions=dg.Definitions(assets=assets, sensors=[sensor], resources=RESOURCES),
+        )
+        data = sensor.evaluate_tick(context)
+        for event in data.asset_events:
+            instance.report_runless_asset_event(event)
+    return {
+        f"{e.asset_key.to_user_string()} {e.partition}"
+        for e in data.asset_events
+        if isinstance(e, dg.AssetMaterialization)
+    }
+
+
+def _missing(stack_env: dict[str, str], key: dg.AssetKey, now: datetime) -> set[str]:
+    """The partitions of ``key`` (as of ``now``) with no materialization in the instance."""
+    home = Path(stack_env["BACKFILL_HOME"]) / "dagster-home"
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        done = instance.get_materialized_partitions(key)
+    partitions = kafka_hours(SPEC.model_copy(update={"partition_start": FIRST}))
+    return set(partitions.get_partition_keys(current_time=now)) - done
+
+
+def _partitions_page(
+    driver: WebDriver,
+    url: str,
+    key: dg.AssetKey,
+    missing: set[str],
+    shot: Path | None = None,
+    empty: str | None = None,
+) -> str:
+    """Open the asset's partitions page (with the known-empty partition ``empty`` selected,
+    whose details must show the gap sensor's report); wait until its health shows exactly
+    ``missing`` (and save a screenshot of the whole bar to ``shot``); then show only the
+    missing partitions and wait until the list names each of them; return the page text."""
+    from selenium.webdriver.common.by import By
+
+    selected = f"&partition={empty}" if empty else ""
+    driver.get(f"{url}/assets/{'/'.join(key.path)}?view=partitions{selected}")
+    _wait_for(
+        driver,
+        lambda t: (
+            f"Missing ({len(missing)})" in t
+            and "Failed (0)" in t
+            and (empty is None or "reported_by" in t)
+        ),
+        f"Missing ({len(missing)})" + (f" and the empty report of {empty}" if empty else ""),
+    )
+    if shot is not None:
+        time.sleep(1)  # let the status bar finish its layout
+        shot.parent.mkdir(parents=True, exist_ok=True)
+        assert driver.save_screenshot(str(shot))
+        assert shot.stat().st_size > 20_000, "a blank page compresses to a few kB"
+    driver.find_element(
+        By.XPATH, "//label[starts-with(normalize-space(), 'Materialized (')]"
+    ).click()
+    return _wait_for(
+        driver,
+        lambda t: all(f"\n{k}\n" in t for k in missing),
+        f"the missing partitions {sorted(missing)}",
+    )
+
+
+def test_partition_bar_says_missing_only_for_real_gaps(
+    backfill: Backfill,
+    dagster_services: str,
+    stack_env: dict[str, str],
+    _served_spec: Path,
+    browser: WebDriver,
+) -> None:
+    assert backfill.progress.succeeded, [backfill.progress.line(), *backfill.failures]
+    launch.DagsterClient(dagster_services).query("mutation { setNuxSeen }", {})
+    now = datetime.now(UTC)
+    closed = (now.replace(minute=0, second=0, microsecond=0) - START) // timedelta(hours=1)
+    reported = _report_empty_hours(stack_env, _served_spec)
+    assert f"{RAW.to_user_string()} {_key(-2)}" in reported, sorted(reported)[:20]
+
+    # raw/orders: the two hours before the data (FIRST..START) and the six after it are done
+    # (empty), hours 1-4 by the backfill; Kafka hours 0 and 5 hold records nobody published:
+    # exactly the real gaps.
+    raw_missing = _missing(stack_env, RAW, now)
+    assert raw_missing == {_key(0), _key(5)}, sorted(raw_missing)
+    shot = ARTIFACTS / f"raw_{SPEC.topic}_bar.png"
+    text = _partitions_page(browser, dagster_services, RAW, raw_missing, shot, empty=_key(-1))
+    (ARTIFACTS / f"raw_{SPEC.topic}_bar.txt").write_text(text)
+    shutil.copyfile(shot, DOCS_SHOT)
+
+    # orders_hourly (event time, 3 h lateness): event hours 6..8 read only Kafka hours that are
+    # empty and sealed, and no event of theirs exists: done. Every other hour is missing for a
+    # reason an operator acts on or waits for: it holds events no run has built (-2..5), or it
+    # reads a raw gap (Kafka hour 0 or 5: -2..0, 2..5), or its lateness is still open (the
+    # newest three closed hours, 9..11 unless an hour ended while the test ran).
+    hourly = table_asset_key(SPEC.tables[0].name)
+    assert SPEC.tables[0].name == "orders_hourly" and SPEC.tables[0].lateness_hours == 3
+    table_missing = _missing(stack_env, hourly, now)
+    expected = {_key(h) for h in [*range(-2, 6), *range(closed - 3, closed)]}
+    assert table_missing == expected, sorted(table_missing)
+    text = _partitions_page(browser, dagster_services, hourly, table_missing)
+    (ARTIFACTS / "orders_hourly_bar.txt").write_text(text)

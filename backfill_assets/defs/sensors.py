@@ -1,5 +1,12 @@
 """Sensors that turn detected gaps and late data into exactly the needed partition runs.
 
+The gap sensor also reports, as materializations with ``empty: true`` and zero rows, the hours
+no run covers that provably hold nothing (:mod:`backfill_assets.lake.empty`): hours before the
+data, between separately published ranges, after the newest record. So "Missing" on a
+partition bar is a real gap (records not published), or an hour not settled yet. These reports
+never enter the ledger: they are not coverage, and an hour that gains records later is
+requested like any other gap (its run's materialization then replaces the report).
+
 Requests are deduplicated across ticks: every request has a key made of what it covers and
 the ledger's state it was computed from (:func:`backfill_assets.lake.ledger.generation`); the
 cursor remembers keys already requested, and hours whose runs are still queued or running are
@@ -25,14 +32,20 @@ from datetime import UTC, datetime, timedelta
 import dagster as dg
 
 from backfill_assets.defs.assets import current_asset_key, raw_asset_key, table_asset_key
+from backfill_assets.defs.partitions import kafka_hours
 from backfill_assets.defs.resources import IcebergResource, KafkaResource
-from backfill_assets.lake import detect, ledger
+from backfill_assets.lake import detect, empty, ledger
 from backfill_assets.lake.windows import hours_between
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
 
 REQUEST_TAG = "backfill_assets/request"
 MAX_RANGE_HOURS = 168
+# Known-empty hours reported per tick, newest first: a fresh deployment whose partition_start
+# is months before the data drains its backlog over a few ticks (the daemon stores the
+# reports one by one), and a tick stays short.
+MAX_EMPTY_REPORTS = 2000
+EMPTY_TAG = "backfill_assets/empty"
 _CURSOR_KEYS = 500
 RETRY_BACKOFF = timedelta(minutes=2)
 RETRY_BACKOFF_MAX = timedelta(hours=1)
@@ -107,6 +120,11 @@ def build_gap_sensor(
             ("current", [current], sorted(only_current)),
             *_merged("derived", found.tables_due),
         ]
+        try:
+            reports = _empty_reports(context, kafka, iceberg, spec, specs)
+        except Exception as exc:  # the bar can wait a tick; the gap requests cannot
+            context.log.warning(f"known-empty hours not reported this tick: {exc}")
+            reports = []
         for risk in found.retention_risks:
             context.log.warning(
                 f"retention risk: {risk['topic']} hour {risk['hour']} (offsets "
@@ -119,10 +137,63 @@ def build_gap_sensor(
                 )
             )
         return _requests(
-            context, gap_sensor_name(spec), wanted, state, found.retention_risks, retry_backoff
+            context,
+            gap_sensor_name(spec),
+            wanted,
+            state,
+            found.retention_risks,
+            retry_backoff,
+            reports,
         )
 
     return _gaps
+
+
+def _empty_reports(
+    context: dg.SensorEvaluationContext,
+    kafka: KafkaResource,
+    iceberg: IcebergResource,
+    spec: TopicSpec,
+    specs: list[TopicSpec] | None,
+) -> list[dg.AssetMaterialization]:
+    """Materializations, marked empty, of the known-empty hours Dagster has none for yet."""
+    known = empty.find(
+        kafka.client(), iceberg.catalog(), iceberg.settings.catalog.namespace, spec, specs=specs
+    )
+    partitions_def = kafka_hours(spec)
+    valid = set(partitions_def.get_partition_keys())
+    wanted: list[tuple[datetime, dg.AssetKey, str]] = []
+    per_asset = [
+        (raw_asset_key(spec), known.kafka, "Kafka hour"),
+        (current_asset_key(spec), known.kafka, "Kafka hour"),
+        *((table_asset_key(n), hours, "event hour") for n, hours in known.tables.items()),
+    ]
+    for key, hours, what in per_asset:
+        done = context.instance.get_materialized_partitions(key)
+        for hour in hours:
+            pkey = f"{hour:{detect.PARTITION_FMT}}"
+            if pkey in valid and pkey not in done:
+                wanted.append((hour, key, what))
+    wanted.sort(key=lambda w: (w[0], w[1].to_user_string()), reverse=True)
+    if len(wanted) > MAX_EMPTY_REPORTS:
+        context.log.info(
+            f"{len(wanted)} known-empty hours to report; {MAX_EMPTY_REPORTS} now (newest first), "
+            "the rest on the next ticks"
+        )
+    return [
+        dg.AssetMaterialization(
+            asset_key=key,
+            partition=f"{hour:{detect.PARTITION_FMT}}",
+            description=f"Nothing to hold: the {what} is sealed and holds no records.",
+            metadata={
+                "empty": True,
+                "dagster/partition_row_count": 0,
+                "reported_by": gap_sensor_name(spec),
+            },
+            tags={EMPTY_TAG: "true"},
+        )
+        for hour, key, what in wanted[:MAX_EMPTY_REPORTS]
+    ]
 
 
 def build_late_data_sensor(
@@ -163,6 +234,7 @@ def _requests(
     state: str,
     risks: list[dict[str, object]] | None = None,
     retry_backoff: timedelta = RETRY_BACKOFF,
+    reports: list[dg.AssetMaterialization] | None = None,
 ) -> dg.SensorResult | dg.SkipReason:
     seen: list[str] = json.loads(context.cursor) if context.cursor else []
     history = _history(context.instance, sensor)
@@ -208,7 +280,7 @@ def _requests(
         context.log.warning(f"failed request waiting for its retry: {note}")
     cursor = json.dumps(seen[-_CURSOR_KEYS:])
     if requests:
-        return dg.SensorResult(run_requests=requests, cursor=cursor)
+        return dg.SensorResult(run_requests=requests, cursor=cursor, asset_events=reports or [])
     reason = "nothing uncovered, or every gap is already requested"
     if waiting:
         reason += "; FAILED, retried with backoff: " + "; ".join(waiting)
@@ -218,6 +290,9 @@ def _requests(
             + ("(archived)" if r["archived"] else "(NOT archived)")
             for r in risks
         )
+    if reports:
+        reason += f"; reported {len(reports)} known-empty hour(s) as empty materializations"
+        return dg.SensorResult(skip_reason=reason, cursor=cursor, asset_events=reports)
     context.update_cursor(cursor)
     return dg.SkipReason(reason)
 

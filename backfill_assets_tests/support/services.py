@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import shutil
 import signal
@@ -83,7 +84,7 @@ def _wait_ready(
         try:
             with urllib.request.urlopen(f"{url}/server_info", timeout=2):
                 return
-        except OSError:
+        except (OSError, http.client.HTTPException):  # not listening yet, or half started
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 raise RuntimeError(
                     f"Dagster services did not start; see {logs}:\n"
