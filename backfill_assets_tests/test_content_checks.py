@@ -145,6 +145,22 @@ def test_v1_reference_reads_major_units_and_iso_times() -> None:
     assert reference.field({"a": Decimal("1E+2")}, "a", "decimal(18,2)") == 100
 
 
+@pytest.mark.parametrize(
+    "number",
+    ["0", "-0", "7", "2147483648", "-9223372036854775808", "9223372036854775808", "1" * 400],
+)
+@pytest.mark.parametrize(
+    "spark_type", ["int", "bigint", "double", "decimal(18,2)", "decimal(5,0)", "string"]
+)
+def test_an_integer_reads_as_the_same_number_as_a_decimal(number: str, spark_type: str) -> None:
+    # loads keeps JSON integers as int (faster); field reads them as it reads the Decimal.
+    payload = reference.loads(f'{{"a": {number}}}')
+    assert type(payload["a"]) is int
+    expect = reference.field({"a": Decimal(number)}, "a", spark_type)
+    got = reference.field(payload, "a", spark_type)
+    assert got == expect and type(got) is type(expect)
+
+
 def test_the_timestamp_range_is_the_replays() -> None:
     low, high = (
         int(datetime.fromisoformat(t + "+00:00").timestamp()) * 1_000_000 for t in TIMESTAMP_RANGE
