@@ -4,8 +4,9 @@ Generates ``--hours`` x ``--events-per-hour`` orders records (the demo generator
 records: valid, malformed, tombstones, both schema versions) and times
 :class:`backfill_assets.lake.content.RecordDecoder` over them (best of ``--repeat``, in this
 thread's CPU time, which the machine's load inflates less than the wall time also shown), with
-the byte hash of the window scan (:func:`backfill_assets.lake.windows.record_hash`) as baseline
-and the sample predicate (:func:`backfill_assets.lake.content.in_sample`) beside it. No Kafka, no
+the byte hash of the window scan (:func:`backfill_assets.lake.windows.record_hash`) as baseline,
+the sample predicate (:func:`backfill_assets.lake.content.in_sample`) and the scan's decode of
+a large window (1 record in K decoded) per record of the window. No Kafka, no
 Spark. Prints the load average: these machines are shared.
 
 Run from the repository root:
@@ -60,9 +61,16 @@ def main() -> None:
 
     print(f"{n:,} records, best of {args.repeat}, load average {os.getloadavg()[0]:.1f}:")
     base = timed("record_hash (the scan's byte hash)", windows.record_hash)
+    cell = windows.Cell(0, 0)
+    timed("the scan's count (Cell.add, with the hash)", lambda p, o, k, v: cell.add(o, k, v, p))
     whole = timed("RecordDecoder (decode + content hash)", decode)
-    if hasattr(content, "in_sample"):
-        timed("in_sample(p, o, 16)", lambda p, o, k, v: content.in_sample(p, o, 16))
+    timed("in_sample(p, o, 16)", lambda p, o, k, v: content.in_sample(p, o, 16))
+    for k in (16, 8):
+        sampled = windows._Decoding(decode, k, 0)  # a "large" window: only the sample
+        timed(
+            f"the scan's count and decode, 1 in {k}",
+            lambda p, o, key, v, d=sampled: d.add(cell, p, o, key, v, cell.add(o, key, v, p)),
+        )
     print(f"  decode / byte hash: {whole / base:.1f}x; load average {os.getloadavg()[0]:.1f}")
 
 

@@ -64,14 +64,20 @@ def _partition_seed(partition: int) -> int:
     return _XXH64(_INT.pack(partition), 42)
 
 
-def in_sample(partition: int, offset: int, k: int) -> bool:
+def position_hash(partition: int, offset: int) -> int:
+    """XXH64 of the offset seeded by the partition's hash (unsigned): Spark's
+    ``xxhash64(partition, offset)``, the first step of every record's hashes."""
+    return _XXH64(_PACK_LONG(offset), _partition_seed(partition))
+
+
+def in_sample(partition: int, offset: int, k: int, position: int | None = None) -> bool:
     """Whether the record at (``partition``, ``offset``) is in the 1-in-``k`` content sample:
     ``pmod(xxhash64(partition, offset), k) = 0`` as Spark computes it over ``kafka_partition``
     (int) and ``kafka_offset`` (bigint), see :func:`sample_condition`. Every record for
-    ``k == 1``."""
+    ``k == 1``. ``position``: :func:`position_hash` of the record, when known."""
     if k == 1:
         return True
-    h = _XXH64(_PACK_LONG(offset), _partition_seed(partition))
+    h = position_hash(partition, offset) if position is None else position
     return (h - _TWO_64 if h >= _TWO_63 else h) % k == 0  # Python's % is Spark's pmod for k > 0
 
 

@@ -27,7 +27,6 @@ from the archive the same way.
 
 from __future__ import annotations
 
-import functools
 import json
 import struct
 import time
@@ -40,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.lake.content import in_sample
+from backfill_assets.lake.content import in_sample, position_hash
 
 if TYPE_CHECKING:
     from backfill_assets.lake.archive import Archive
@@ -64,7 +63,7 @@ class WindowError(BackfillError):
         self.missing: dict[int, tuple[int, int]] = dict(missing or {})
 
 
-_INT, _LONG = struct.Struct("<i"), struct.Struct("<q")
+_INT = struct.Struct("<i")
 # librdkafka's consume() returns when it has a full batch or when the timeout ends: with a
 # long timeout, every scan shorter than a batch (a small window's) waited for all of it.
 _BATCH, _POLL_S = 10_000, 0.05
@@ -82,7 +81,12 @@ def record_hash(partition: int, offset: int, key: bytes | None, value: bytes | N
     each input hashed with the previous hash as seed (ints as 4 and longs as 8 little-endian
     bytes, booleans as the int 0/1, binary as its bytes, a NULL skipped), as a signed long.
     """
-    h = _XXH64(_LONG.pack(offset), _partition_seed(partition))
+    return _record_hash(position_hash(partition, offset), key, value)
+
+
+def _record_hash(position: int, key: bytes | None, value: bytes | None) -> int:
+    """:func:`record_hash` from the record's position hash (content.position_hash)."""
+    h = position
     if key is not None:
         h = _XXH64(key, h)
     if value is not None:
@@ -93,12 +97,6 @@ def record_hash(partition: int, offset: int, key: bytes | None, value: bytes | N
 
 _BOOL = {False: _INT.pack(0), True: _INT.pack(1)}
 _TWO_63, _TWO_64 = 1 << 63, 1 << 64
-
-
-@functools.cache
-def _partition_seed(partition: int) -> int:
-    """The hash's first step, the same for every record of a partition."""
-    return _XXH64(_INT.pack(partition), 42)
 
 
 @dataclass
@@ -118,13 +116,17 @@ class Cell:
     decoded_sum: int = 0
     unverified: int = 0
 
-    def add(self, offset: int, key: bytes | None, value: bytes | None, partition: int) -> None:
+    def add(self, offset: int, key: bytes | None, value: bytes | None, partition: int) -> int:
+        """Count one record; its position hash (content.position_hash), which the decode's
+        sample reuses."""
         self.records += 1
         self.size += len(key or b"") + len(value or b"")
-        self.hash_sum += record_hash(partition, offset, key, value)
+        position = position_hash(partition, offset)
+        self.hash_sum += _record_hash(position, key, value)
         if self.first_offset is None:
             self.first_offset = offset
         self.last_offset = offset
+        return position
 
     def add_decoded(self, kind: str, detail: Any) -> None:
         if kind == "row":
@@ -317,9 +319,9 @@ class _Cursor:
                 start = self.bound(self.index)
                 assert start is not None
                 cell = cells[self.index] = Cell(start, start)
-            cell.add(offset, key, value, self.partition)
+            position = cell.add(offset, key, value, self.partition)
             if self.decoding is not None:
-                self.decoding.add(cell, self.partition, offset, key, value)
+                self.decoding.add(cell, self.partition, offset, key, value, position)
 
 
 @dataclass
@@ -340,10 +342,16 @@ class _Decoding:
     )
 
     def add(
-        self, cell: Cell, partition: int, offset: int, key: bytes | None, value: bytes | None
+        self,
+        cell: Cell,
+        partition: int,
+        offset: int,
+        key: bytes | None,
+        value: bytes | None,
+        position: int | None = None,
     ) -> None:
         self.records += 1
-        if self.sample > 1 and not in_sample(partition, offset, self.sample):
+        if self.sample > 1 and not in_sample(partition, offset, self.sample, position):
             if self.waiting is not None:
                 if self.records > self.whole_up_to:
                     self.waiting = None  # a large window: only the sample is decoded
