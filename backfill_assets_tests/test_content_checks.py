@@ -1,6 +1,6 @@
 """Checks that see content (issue 30).
 
-* ``decoded_content``: an independent Python decode of every Kafka record (the spec's reference
+* ``decoded_content``: an independent Python decode of the Kafka records (the spec's reference
   decoders, :mod:`backfill_assets.lake.content`) is compared per hour with the typed values
   stored on the run's branch. Proven with a real transform bug: a spec whose v2 upcaster
   multiplies the amount by 10 (the bytes and every other check stay right) is backfilled

@@ -49,8 +49,10 @@ DESCRIPTIONS = {
     ),
     "decoded_content": (
         "Per window hour, the typed values of the rows on the run's branch equal an independent "
-        "Python decode of every Kafka record (the spec's reference decoders, not Spark's parse "
-        "or the upcasters): same rows, same sum of content hashes."
+        "Python decode of the Kafka records (the spec's reference decoders, not Spark's parse "
+        "or the upcasters): same rows, same sum of content hashes. Every record of a window of "
+        "at most BACKFILL_CONTENT_SAMPLE_ABOVE records; of a larger one, 1 in "
+        "BACKFILL_CONTENT_SAMPLE picked by a hash of (partition, offset), on both sides."
     ),
 }
 
