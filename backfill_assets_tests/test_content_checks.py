@@ -1,6 +1,6 @@
 """Checks that see content (issue 30).
 
-* ``decoded_content``: an independent Python decode of every Kafka record (the spec's reference
+* ``decoded_content``: an independent Python decode of the Kafka records (the spec's reference
   decoders, :mod:`backfill_assets.lake.content`) is compared per hour with the typed values
   stored on the run's branch. Proven with a real transform bug: a spec whose v2 upcaster
   multiplies the amount by 10 (the bytes and every other check stay right) is backfilled
@@ -10,6 +10,10 @@
 * The Python decode agrees with Spark where they must: the row hash is Spark's ``xxhash64``
   and ISO timestamps parse as Spark's cast does (the other rules are exercised against the JVM
   reader by ``test_bad_input``, whose run must pass this check too).
+* A window larger than ``BACKFILL_CONTENT_SAMPLE_ABOVE`` decodes a 1-in-K sample picked by a
+  hash of (partition, offset), and the table side sums the same rows: the predicate agrees bit
+  for bit between Python and Spark, a clean sampled run passes and the wrong upcaster is still
+  blocked through the sampled path; a small window is decoded whole.
 """
 
 from __future__ import annotations
@@ -145,6 +149,45 @@ def test_v1_reference_reads_major_units_and_iso_times() -> None:
     assert reference.field({"a": Decimal("1E+2")}, "a", "decimal(18,2)") == 100
 
 
+@pytest.mark.parametrize(
+    "number",
+    ["0", "-0", "7", "2147483648", "-9223372036854775808", "9223372036854775808", "1" * 400],
+)
+@pytest.mark.parametrize(
+    "spark_type", ["int", "bigint", "double", "decimal(18,2)", "decimal(5,0)", "string"]
+)
+def test_an_integer_reads_as_the_same_number_as_a_decimal(number: str, spark_type: str) -> None:
+    # loads keeps JSON integers as int (faster); field reads them as it reads the Decimal.
+    payload = reference.loads(f'{{"a": {number}}}')
+    assert type(payload["a"]) is int
+    expect = reference.field({"a": Decimal(number)}, "a", spark_type)
+    got = reference.field(payload, "a", spark_type)
+    assert got == expect and type(got) is type(expect)
+
+
+def test_a_small_window_is_decoded_whole_and_a_large_one_by_its_sample() -> None:
+    from backfill_assets.lake.windows import Cell, _Decoding
+
+    seen: list[tuple[int, int]] = []
+
+    def decode(p: int, o: int, key: bytes | None, value: bytes | None) -> tuple[str, Any]:
+        seen.append((p, o))
+        return content.ROW, 1
+
+    records = [(p, o) for p in range(3) for o in range(40)]
+    for whole_up_to, expect in ((120, 1), (119, 4)):
+        seen.clear()
+        decoding, cell = _Decoding(decode, 4, whole_up_to), Cell(0, 0)
+        for p, o in records:
+            decoding.add(cell, p, o, None, b"{}")
+        assert decoding.finish() == expect
+        picked = [r for r in records if expect == 1 or content.in_sample(*r, 4)]
+        assert sorted(seen) == picked and cell.decoded_rows == len(picked)
+        assert decoding.decoded == len(picked)
+        assert expect == 1 or 0 < len(picked) < len(records) / 2
+    assert content.miss_bound(16, 100) == pytest.approx(0.0016, abs=1e-4)
+
+
 def test_the_timestamp_range_is_the_replays() -> None:
     low, high = (
         int(datetime.fromisoformat(t + "+00:00").timestamp()) * 1_000_000 for t in TIMESTAMP_RANGE
@@ -205,6 +248,23 @@ def test_row_hash_and_iso_timestamps_agree_with_spark(spark_session: SparkSessio
     assert got[0] == content.row_hash(3, 42, False, columns, values)
 
 
+def test_the_sample_predicate_agrees_with_spark(spark_session: SparkSession) -> None:
+    from pyspark.sql import functions as F
+
+    pairs = [(p, o) for p in (0, 1, 5, 2**31 - 1) for o in range(300)]
+    pairs += [(3, 2**62 + i) for i in range(100)] + [(7, 2**63 - 1), (0, 0)]
+    frame = spark_session.createDataFrame(pairs, "kafka_partition int, kafka_offset bigint")
+    for k in (2, 3, 16, 1024):
+        got = frame.where(content.sample_condition(k)).collect()
+        spark_picked = sorted((r["kafka_partition"], r["kafka_offset"]) for r in got)
+        assert spark_picked == sorted(r for r in pairs if content.in_sample(*r, k)), k
+        assert spark_picked, k
+    # The hash spans negative and positive longs: pmod, not %, on Spark's side.
+    signs = frame.select(F.xxhash64("kafka_partition", "kafka_offset") < 0).distinct().count()
+    assert signs == 2
+    assert all(content.in_sample(p, o, 1) for p, o in pairs)
+
+
 # ---------------------------------------------------------------------------------------------
 # Through Dagster: a wrong upcaster is blocked
 # ---------------------------------------------------------------------------------------------
@@ -236,6 +296,7 @@ def test_a_wrong_upcaster_fails_decoded_content_and_main_is_unchanged(
     checks = _checks(clean)
     assert checks["decoded_content"].passed, checks["decoded_content"].description
     assert checks["decoded_content"].metadata["decode_seconds"].value >= 0
+    assert checks["decoded_content"].metadata["sampled"].value is False  # a small window
     before = _main_snapshot(spark_session, table)
     rows_before = sorted(map(tuple, spark_session.table(table).drop("ingest_run_id").collect()))
 
@@ -259,6 +320,54 @@ def test_a_wrong_upcaster_fails_decoded_content_and_main_is_unchanged(
     assert _main_snapshot(spark_session, table) == before
     rows_after = sorted(map(tuple, spark_session.table(table).drop("ingest_run_id").collect()))
     assert rows_after == rows_before
+
+
+SAMPLE_START = datetime(2026, 4, 10, tzinfo=UTC)
+
+
+def test_a_large_window_is_sampled_and_a_wrong_upcaster_is_still_blocked(
+    stack_settings: Settings,
+    spark_session: SparkSession,
+    instance: dg.DagsterInstance,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The threshold lowered to 50 records makes the test's window "large": 1 record in 4 is
+    decoded, the branch's rows are summed over the same 1 in 4, and the sums agree on a clean
+    run; with the v2 upcaster wrong the v2 hour differs."""
+    monkeypatch.setenv("BACKFILL_CONTENT_SAMPLE_ABOVE", "50")
+    monkeypatch.setenv("BACKFILL_CONTENT_SAMPLE", "4")
+    topic = f"sample_{uuid.uuid4().hex[:8]}"
+    spec = renamed(ORDERS, topic=topic)
+    generate(
+        stack_settings,
+        GeneratorConfig(topic=topic, start=SAMPLE_START, hours=4, events_per_hour=60, seed=5),
+    )
+    first, last = SAMPLE_START + timedelta(hours=1), SAMPLE_START + timedelta(hours=2)
+    table = f"lake.{stack_settings.catalog.namespace}.{spec.raw_table}"
+
+    clean = _materialize(spec, instance, first, last)
+    assert clean.success
+    check = _checks(clean)["decoded_content"]
+    assert check.passed, check.description
+    meta = {k: v.value for k, v in check.metadata.items()}
+    assert meta["sampled"] is True and meta["sample_fraction"] == 0.25
+    assert "(1 - 1/4)^m" in meta["miss_rate"]
+    assert 0 < meta["rows_compared"] < meta["rows_on_branch"] / 2
+    assert meta["decoded_records"] < meta["rows_on_branch"] / 2
+    assert "in the 1-in-4 sample" in str(check.description)
+    before = _main_snapshot(spark_session, table)
+
+    wrong = renamed(
+        ORDERS,
+        topic=topic,
+        upcasters={1: ORDERS.upcasters[1], 2: f"{__name__}:upcast_v2_amount_times_ten"},
+    )
+    result = _materialize(wrong, instance, first, last)
+    assert not result.success
+    checks = _checks(result)
+    assert {name for name, e in checks.items() if not e.passed} == {"decoded_content"}
+    assert checks["decoded_content"].metadata["hours_that_differ"].value == [last.isoformat()]
+    assert _main_snapshot(spark_session, table) == before
 
 
 # ---------------------------------------------------------------------------------------------

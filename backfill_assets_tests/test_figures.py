@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from backfill_assets.lake import checks
+from backfill_assets.lake import checks, content
 from backfill_assets.lake.replay import hour_key
 from backfill_assets.spec.loader import load_specs
 from backfill_assets.spec.model import TopicSpec
@@ -202,3 +202,49 @@ def test_the_contract_counted_with_the_figures_is_pandera_s_report(
         branch.unionByName(branch.limit(1)), quarantine, spec, contract=True
     )
     assert "contract" not in repeated
+
+
+def test_the_content_sample_is_summed_alike_both_ways(spark_session: SparkSession) -> None:
+    """decoded_content's table side over a 1-in-K sample: the driver and Spark sum the same
+    rows (those content.in_sample picks), with and without a repeated offset, and the other
+    figures do not change; without a sample the compared rows are all the rows."""
+    from pyspark.sql import functions as F
+
+    spec = _orders()
+    branch, quarantine = _hostile(spark_session)
+    whole = checks.table_figures(branch, quarantine, spec, at_most=16)
+    assert {h: f["rows"] for h, f in whole["per_hour"].items()} == whole["content_rows_per_hour"]
+    unique = branch.where("NOT (kafka_partition = 0 AND kafka_offset = 2 AND record_hash = 7)")
+    content_cols = ["kafka_partition", "kafka_offset", "is_tombstone"]
+    content_cols += [c.name for c in spec.columns]
+    for rows in (branch, unique):
+        for k in (2, 3):
+            here = checks.table_figures(rows, quarantine, spec, at_most=16, content_sample=k)
+            there = checks.table_figures(rows, quarantine, spec, content_sample=k)
+            assert here == there
+            plain = checks.table_figures(rows, quarantine, spec, at_most=16)
+            drop = ("content_per_hour", "content_rows_per_hour")
+            assert {n: v for n, v in here.items() if n not in drop} == {
+                n: v for n, v in plain.items() if n not in drop
+            }
+            picked = [
+                r
+                for r in rows.select(
+                    F.unix_millis("kafka_hour").alias("h"),
+                    "kafka_partition",
+                    "kafka_offset",
+                    F.xxhash64(*content_cols).alias("c"),
+                ).collect()
+                if content.in_sample(r["kafka_partition"], r["kafka_offset"], k)
+            ]
+            assert 0 < len(picked) < rows.count()
+            expect_rows: dict[str, int] = {}
+            expect_sums: dict[str, int] = {}
+            for r in picked:
+                expect_rows[hour_key(r["h"])] = expect_rows.get(hour_key(r["h"]), 0) + 1
+                expect_sums[hour_key(r["h"])] = expect_sums.get(hour_key(r["h"]), 0) + r["c"]
+            if rows is unique:  # (with the repeat, its copies count under the earliest hour)
+                got_rows = {h: n for h, n in here["content_rows_per_hour"].items() if n}
+                assert got_rows == expect_rows
+                got_sums = {h: here["content_per_hour"][h] for h in expect_sums}
+                assert got_sums == expect_sums

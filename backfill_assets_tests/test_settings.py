@@ -26,6 +26,7 @@ def test_local_defaults_describe_the_embedded_stack(tmp_path: object) -> None:
     assert s.catalog.warehouse == "file:///tmp/bf-home/warehouse"
     assert s.webserver_host == "127.0.0.1"
     assert s.run_executor == "in_process"
+    assert (s.content_sample, s.content_sample_above) == (16, 50_000)
 
 
 def test_a_throttled_process_gets_half_the_local_cores_unless_the_master_is_set() -> None:
@@ -54,6 +55,10 @@ def test_a_throttled_process_gets_half_the_local_cores_unless_the_master_is_set(
         ({"BACKFILL_CATALOG_KIND": "rest"}, "BACKFILL_CATALOG_URI"),
         ({"BACKFILL_CATALOG_URI": "mysql://x"}, "postgresql"),
         ({"BACKFILL_RUN_EXECUTOR": "threads"}, "BACKFILL_RUN_EXECUTOR.*in_process.*multiprocess"),
+        ({"BACKFILL_CONTENT_SAMPLE": "0"}, "BACKFILL_CONTENT_SAMPLE='0'.* from 1 .* to 1024"),
+        ({"BACKFILL_CONTENT_SAMPLE": "4096"}, "BACKFILL_CONTENT_SAMPLE='4096'.* to 1024"),
+        ({"BACKFILL_CONTENT_SAMPLE": "1/16"}, "BACKFILL_CONTENT_SAMPLE='1/16'"),
+        ({"BACKFILL_CONTENT_SAMPLE_ABOVE": "lots"}, "BACKFILL_CONTENT_SAMPLE_ABOVE"),
     ],
 )
 def test_bad_values_name_the_variable_and_what_is_allowed(env: dict[str, str], names: str) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from backfill_assets.lake.content import miss_bound, sample_condition
 from backfill_assets.lake.replay import ReplayOutcome, hour_key, window_filter
 from backfill_assets.spec.model import ColumnSpec, TopicSpec
 
@@ -48,8 +49,10 @@ DESCRIPTIONS = {
     ),
     "decoded_content": (
         "Per window hour, the typed values of the rows on the run's branch equal an independent "
-        "Python decode of every Kafka record (the spec's reference decoders, not Spark's parse "
-        "or the upcasters): same rows, same sum of content hashes."
+        "Python decode of the Kafka records (the spec's reference decoders, not Spark's parse "
+        "or the upcasters): same rows, same sum of content hashes. Every record of a window of "
+        "at most BACKFILL_CONTENT_SAMPLE_ABOVE records; of a larger one, 1 in "
+        "BACKFILL_CONTENT_SAMPLE picked by a hash of (partition, offset), on both sides."
     ),
 }
 
@@ -92,8 +95,14 @@ def run_checks(spark: SparkSession, spec: TopicSpec, outcome: ReplayOutcome) -> 
     # counted whichever run wrote them (filtering on this run's id made an overlapping run
     # fail its count check instead of being refused at publish).
     quarantine = spark.table(outcome.quarantine_table).where(window_filter(outcome.contract))
+    windows = outcome.contract.windows
     table_side = table_figures(
-        branch, quarantine, spec, at_most=outcome.records_read, contract=True
+        branch,
+        quarantine,
+        spec,
+        at_most=outcome.records_read,
+        contract=True,
+        content_sample=windows.content_sample if windows is not None else 1,
     )
     _set_figures(outcome, table_side)
     outcome.resent, outcome.conflicting_ids = table_side["resent"], table_side["conflicting"]
@@ -117,9 +126,12 @@ def table_figures(
     *,
     at_most: int | None = None,
     contract: bool = False,
+    content_sample: int = 1,
 ) -> dict[str, Any]:
     """Per hour: rows, quarantined, hash sums of Kafka bytes and of parsed content
-    (``content_per_hour``), rows per
+    (``content_per_hour`` and its rows ``content_rows_per_hour``: over the rows in the 1-in-
+    ``content_sample`` sample of :func:`backfill_assets.lake.content.in_sample`, every row for
+    1, what the window's decode covered), rows per
     event-time hour, quarantined per reason; repeated offsets; repeated and conflicting event
     ids. Rows and quarantine are grouped by (partition, offset), then by (hour, reason, event
     hour), counting the offsets seen more than once on the way (copies of an offset in
@@ -136,14 +148,16 @@ def table_figures(
     report (what :func:`schema_contract` would say, without reading the branch again);
     otherwise the key is absent and the contract must be checked on its own."""
     if at_most is not None and at_most <= FIGURES_DRIVER_ROWS:
-        here = _figures_here(_figure_inputs(branch, quarantine, spec))
+        here = _figures_here(_figure_inputs(branch, quarantine, spec, None, content_sample))
         if here is not None:
             return here
     counters = None
     if contract:
         events = branch.select(*[c.name for c in spec.columns])
         counters = contract_violations(contract_schema(spec.columns), events)
-    return _figures_in_spark(_figure_inputs(branch, quarantine, spec, counters), counters)
+    return _figures_in_spark(
+        _figure_inputs(branch, quarantine, spec, counters, content_sample), counters
+    )
 
 
 def _figure_inputs(
@@ -151,12 +165,15 @@ def _figure_inputs(
     quarantine: DataFrame,
     spec: TopicSpec,
     counters: dict[str, Column] | None = None,
+    content_sample: int = 1,
 ) -> DataFrame:
     """One row per branch row and per quarantined record: hour (h), partition, offset, Kafka
     bytes hash, is_row, content hash, reason, event hour (e), and for events (not tombstones)
     their event id and a hash of their payload columns (id_content); with ``counters`` (the
     contract's, see :func:`contract_violations`) also ``_c0``, ``_c1``...: each counter for
-    events, 0 for tombstones and quarantined records."""
+    events, 0 for tombstones and quarantined records; with a ``content_sample`` K > 1 also
+    ``s_row`` (1 for a row in the sample, else 0) and ``s_content`` (its content hash, else
+    NULL)."""
     from pyspark.sql import functions as F
 
     content_cols = ["kafka_partition", "kafka_offset", "is_tombstone"]
@@ -165,13 +182,23 @@ def _figure_inputs(
     event_hour = F.when(event, F.unix_millis(F.date_trunc("hour", F.col(spec.event_time_field))))
     (id_type,) = [c.type for c in spec.columns if c.name == spec.event_id_field]
     payload = F.xxhash64(*[F.col(c.name) for c in spec.columns])
+    content = F.xxhash64(*[F.col(c) for c in content_cols])
+    sampled: list[Column] = []
+    unsampled: list[Column] = []
+    if content_sample > 1:
+        chosen = sample_condition(content_sample)
+        sampled = [
+            F.when(chosen, 1).otherwise(0).alias("s_row"),
+            F.when(chosen, content).alias("s_content"),
+        ]
+        unsampled = [F.lit(0).alias("s_row"), F.lit(None).cast("bigint").alias("s_content")]
     return branch.select(
         F.unix_millis("kafka_hour").alias("h"),
         "kafka_partition",
         "kafka_offset",
         F.col("record_hash").alias("hash"),
         F.lit(1).alias("is_row"),
-        F.xxhash64(*[F.col(c) for c in content_cols]).alias("content"),
+        content.alias("content"),
         F.lit(None).cast("string").alias("reason"),
         event_hour.alias("e"),
         F.when(event, F.col(spec.event_id_field)).alias("id"),
@@ -180,6 +207,7 @@ def _figure_inputs(
             F.when(event, counter).otherwise(0).alias(f"_c{i}")
             for i, counter in enumerate((counters or {}).values())
         ],
+        *sampled,
     ).unionByName(
         quarantine.select(
             F.unix_millis("kafka_hour").alias("h"),
@@ -193,12 +221,14 @@ def _figure_inputs(
             F.lit(None).cast(id_type).alias("id"),
             F.lit(None).cast("bigint").alias("id_content"),
             *[F.lit(0).alias(f"_c{i}") for i in range(len(counters or {}))],
+            *unsampled,
         )
     )
 
 
-# (h, reason, e, rows, quarantined, hash sum, content sum, repeated offsets)
-_Group = tuple[int, str | None, int | None, int, int, int, int, int]
+# (h, reason, e, rows, quarantined, hash sum, content sum, repeated offsets, rows in the
+# content sample, their content sum)
+_Group = tuple[int, str | None, int | None, int, int, int, int, int, int, int]
 
 
 def _figures_here(both: DataFrame) -> dict[str, Any] | None:
@@ -209,8 +239,10 @@ def _figures_here(both: DataFrame) -> dict[str, Any] | None:
     if table.num_rows > FIGURES_DRIVER_ROWS:
         return None
     cols = table.to_pydict()
+    # Without a content sample every row is in it.
+    s_rows, s_contents = cols.get("s_row", cols["is_row"]), cols.get("s_content", cols["content"])
     offsets: dict[tuple[int, int], list[Any]] = {}
-    for h, p, o, hashed, is_row, content, reason, e in zip(
+    for h, p, o, hashed, is_row, content, reason, e, s_row, s_content in zip(
         cols["h"],
         cols["kafka_partition"],
         cols["kafka_offset"],
@@ -219,11 +251,13 @@ def _figures_here(both: DataFrame) -> dict[str, Any] | None:
         cols["content"],
         cols["reason"],
         cols["e"],
+        s_rows,
+        s_contents,
         strict=True,
     ):
         seen = offsets.get((p, o))
         if seen is None:
-            offsets[(p, o)] = [h, 1, is_row, hashed, content or 0, reason, e]
+            offsets[(p, o)] = [h, 1, is_row, hashed, content or 0, reason, e, s_row, s_content or 0]
             continue
         seen[0] = _least(seen[0], h)
         seen[1] += 1
@@ -232,14 +266,18 @@ def _figures_here(both: DataFrame) -> dict[str, Any] | None:
         seen[4] += content or 0
         seen[5] = _least(seen[5], reason)
         seen[6] = _least(seen[6], e)
+        seen[7] += s_row
+        seen[8] += s_content or 0
     groups: dict[tuple[Any, ...], list[int]] = {}
-    for h, n, rows, hashed, content, reason, e in offsets.values():
-        group = groups.setdefault((h, reason, e), [0, 0, 0, 0, 0])
+    for h, n, rows, hashed, content, reason, e, s_row, s_content in offsets.values():
+        group = groups.setdefault((h, reason, e), [0, 0, 0, 0, 0, 0, 0])
         group[0] += rows
         group[1] += n - rows
         group[2] += hashed
         group[3] += content
         group[4] += n - 1
+        group[5] += s_row
+        group[6] += s_content
     ids: dict[Any, list[int]] = {}
     for ident, content in zip(cols["id"], cols["id_content"], strict=True):
         if content is None:  # a tombstone or a quarantined record
@@ -281,11 +319,16 @@ def _figures_in_spark(both: DataFrame, counters: dict[str, Column] | None = None
     repeats = _repeats(both)
     counted = counters is not None and repeats["offsets"] == 0
     names = list(counters or {}) if counted else []
-    both = both.select("*", *_halves(F.col("hash"), "hash"), *_halves(F.col("content"), "content"))
-    sums = [f"{name}_{half}" for name in ("hash", "content") for half in ("high", "low")]
+    # Without a content sample every row is in it: its figures are the rows' own.
+    sampled = "s_content" in both.columns
+    hashes = ["hash", "content", "s_content"] if sampled else ["hash", "content"]
+    both = both.select("*", *[half for name in hashes for half in _halves(F.col(name), name)])
+    sums = [f"{name}_{half}" for name in hashes for half in ("high", "low")]
+    s_row = [F.sum("s_row").alias("s_row")] if sampled else []
     if repeats["offsets"] == 0:
         groups = both.groupBy("h", "reason", "e").agg(
             F.sum("is_row").alias("rows"),
+            *s_row,
             F.sum(1 - F.col("is_row")).alias("quarantined"),
             *[F.sum(c).alias(c) for c in sums],
             F.lit(0).alias("repeated"),
@@ -296,12 +339,14 @@ def _figures_in_spark(both: DataFrame, counters: dict[str, Column] | None = None
             F.min("h").alias("h"),
             F.count("*").alias("n"),
             F.sum("is_row").alias("rows"),
+            *s_row,
             *[F.sum(c).alias(c) for c in sums],
             F.min("reason").alias("reason"),
             F.min("e").alias("e"),
         )
         groups = per_offset.groupBy("h", "reason", "e").agg(
             F.sum("rows").alias("rows"),
+            *[F.sum("s_row").alias("s_row")] if sampled else [],
             F.sum(F.col("n") - F.col("rows")).alias("quarantined"),
             *[F.sum(c).alias(c) for c in sums],
             F.sum(F.col("n") - 1).alias("repeated"),
@@ -317,6 +362,8 @@ def _figures_in_spark(both: DataFrame, counters: dict[str, Column] | None = None
             _whole(r, "hash"),
             _whole(r, "content"),
             int(r["repeated"]),
+            int(r["s_row"]) if sampled else int(r["rows"]),
+            _whole(r, "s_content" if sampled else "content"),
         )
         for r in collected
     )
@@ -378,15 +425,18 @@ def _summarise(groups: Iterable[_Group]) -> dict[str, Any]:
     per_hour: dict[str, dict[str, int]] = {}
     reasons: dict[str, int] = {}
     event_hours: dict[str, dict[str, int]] = {}
-    content_per_hour: dict[str, int] = {}  # the rows' content hash sums (decoded_content)
+    # The content sample's rows and content hash sums (decoded_content)
+    content_per_hour: dict[str, int] = {}
+    content_rows_per_hour: dict[str, int] = {}
     repeated = content_sum = 0
-    for h, reason, e, rows, quarantined, hash_sum, content, repeats in groups:
+    for h, reason, e, rows, quarantined, hash_sum, content, repeats, s_rows, s_sum in groups:
         hour = hour_key(h)
         figures = per_hour.setdefault(hour, {"rows": 0, "quarantined": 0, "hash_sum": 0})
         figures["rows"] += rows
         figures["quarantined"] += quarantined
         figures["hash_sum"] += hash_sum
-        content_per_hour[hour] = content_per_hour.get(hour, 0) + content
+        content_per_hour[hour] = content_per_hour.get(hour, 0) + s_sum
+        content_rows_per_hour[hour] = content_rows_per_hour.get(hour, 0) + s_rows
         content_sum += content
         repeated += repeats
         if reason is not None:
@@ -401,6 +451,7 @@ def _summarise(groups: Iterable[_Group]) -> dict[str, Any]:
         "event_hours": event_hours,
         "content_checksum": str(content_sum),
         "content_per_hour": content_per_hour,
+        "content_rows_per_hour": content_rows_per_hour,
     }
 
 
@@ -560,10 +611,13 @@ def _decoded_content(table_side: dict[str, Any], outcome: ReplayOutcome) -> Chec
     """Per hour, the branch's rows against the independent decode of the same Kafka records
     (:mod:`backfill_assets.lake.content`): the rows it expects and the sum of their content
     hashes (Spark's ``xxhash64`` of partition, offset, tombstone flag and every typed column,
-    the same expression the figures sum over the branch). Every record is decoded, none
-    sampled: one altered value in a window changes its hour's sum (a miss needs a 64-bit hash
-    collision). Hours holding records of a schema version without a reference decode cannot
-    be compared; they are listed, and pass."""
+    the same expression the figures sum over the branch). A window of at most
+    ``BACKFILL_CONTENT_SAMPLE_ABOVE`` records is decoded whole: one altered value changes its
+    hour's sum (a miss needs a 64-bit hash collision). A larger one compares the 1-in-K sample
+    its decode covered (``Windows.content_sample``; the table side sums the same rows): a fault
+    touching m records escapes with probability (1 - 1/K)^m, stated in the metadata. Hours
+    holding records of a schema version without a reference decode cannot be compared; they
+    are listed, and pass."""
     windows = outcome.contract.windows
     assert windows is not None
     if not windows.decoded:
@@ -574,14 +628,13 @@ def _decoded_content(table_side: dict[str, Any], outcome: ReplayOutcome) -> Chec
             {},
         )
     kafka = windows.hour_figures()
-    mine = table_side["per_hour"]
+    mine = table_side["content_rows_per_hour"]
     bad, unverified, per_hour = [], [], {}
     for hour in sorted(set(kafka) | set(mine)):
         k = kafka.get(hour, {})
-        t = mine.get(hour, {})
         figures = {
             "decoded_rows": k.get("decoded_rows", 0),
-            "rows": t.get("rows", 0),
+            "rows": mine.get(hour, 0),
             "same_content": k.get("decoded_sum", 0) == table_side["content_per_hour"].get(hour, 0),
         }
         per_hour[hour] = figures
@@ -591,8 +644,12 @@ def _decoded_content(table_side: dict[str, Any], outcome: ReplayOutcome) -> Chec
             bad.append(hour)
     decoded = sum(v["decoded_rows"] for v in per_hour.values())
     rows = sum(v["rows"] for v in per_hour.values())
+    sample = windows.content_sample
+    what = "rows on the branch"
+    if sample > 1:
+        what += f" in the 1-in-{sample} sample"
     summary = (
-        f"{rows} rows on the branch vs {decoded} decoded independently from Kafka's bytes; "
+        f"{rows} {what} vs {decoded} decoded independently from Kafka's bytes; "
         f"{len(bad)} hour(s) whose typed values differ"
     )
     if bad:
@@ -608,15 +665,32 @@ def _decoded_content(table_side: dict[str, Any], outcome: ReplayOutcome) -> Chec
         not bad,
         summary,
         {
-            "rows_on_branch": rows,
+            "rows_on_branch": sum(h["rows"] for h in table_side["per_hour"].values()),
+            "rows_compared": rows,
             "decoded_rows": decoded,
             "hours_that_differ": bad,
             "hours_not_compared": unverified,
             "decode_seconds": round(windows.decode_s, 3),
-            "sampled": False,
-            "miss_rate": "every record decoded; a miss needs a 64-bit hash collision",
+            "decoded_records": windows.decoded_records,
+            "sampled": sample > 1,
+            "sample_fraction": 1 / sample,
+            "miss_rate": _miss_rate(sample),
             "per_hour": per_hour,
         },
+    )
+
+
+def _miss_rate(k: int) -> str:
+    """What a 1-in-``k`` content sample can miss, in words."""
+    if k == 1:
+        return "every record decoded; a miss needs a 64-bit hash collision"
+    bounds = ", ".join(f"m={m}: {miss_bound(k, m):.2g}" for m in (10, 100, 1000))
+    return (
+        f"1 record in {k} decoded (its (partition, offset) hash picks it, the table side sums "
+        f"the same rows): a fault touching m records of the window escapes with probability "
+        f"(1 - 1/{k})^m ({bounds}); a wrong upcaster or parse touching every record of a "
+        f"version is caught all but certainly once the version has {16 * k} records in the "
+        f"window (miss {miss_bound(k, 16 * k):.1g})"
     )
 
 

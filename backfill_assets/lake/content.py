@@ -12,10 +12,16 @@ branch's rows: a wrong upcaster, a wrong parse or a row whose typed values were 
 changes some hour's sum (one changed value in a window is enough: the sums are exact integers
 of 64-bit hashes, so a miss needs a hash collision, about 2^-64).
 
-Every record is decoded (no sample): in Python on the run's driver, while librdkafka reads it
-(the cost is in the check's metadata and README). A record the reference quarantines counts on
-neither side only if the table quarantined it too; a record one side keeps as a row and the
-other quarantines changes the hour's sum and row count, so the check fails.
+The decode runs in Python on the run's driver, while librdkafka reads the records (about 20 us
+a record of CPU, ``bench/decode.py``; the seconds are in the check's metadata). A window of at
+most ``BACKFILL_CONTENT_SAMPLE_ABOVE`` records (default 50,000) is decoded whole. A larger one
+decodes only the deterministic sample :func:`in_sample` picks, 1 record in
+``BACKFILL_CONTENT_SAMPLE`` (default 16) by a hash of its (partition, offset), and the check
+sums the same records on the table side (:func:`sample_condition`, the same predicate in
+Spark): a fault touching m records of the window escapes with probability (1 - 1/K)^m
+(:func:`miss_bound`). A record the reference quarantines counts on neither side only if the
+table quarantined it too; a record one side keeps as a row and the other quarantines changes
+the hour's sum and row count, so the check fails.
 """
 
 from __future__ import annotations
@@ -24,12 +30,15 @@ import functools
 import struct
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from backfill_assets.spec.model import ColumnSpec, TopicSpec
 from backfill_assets.spec.transforms import reference
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column
 
 # What the decode says about one record: a row and its content hash, a quarantine reason, or a
 # version without a Python reference (not compared).
@@ -47,11 +56,42 @@ _INT, _LONG, _DOUBLE = struct.Struct("<i"), struct.Struct("<q"), struct.Struct("
 _XXH64 = xxhash.xxh64_intdigest
 _TWO_63, _TWO_64 = 1 << 63, 1 << 64
 _TRUE, _FALSE = _INT.pack(1), _INT.pack(0)
+_PACK_LONG = _LONG.pack
 
 
 @functools.cache
 def _partition_seed(partition: int) -> int:
     return _XXH64(_INT.pack(partition), 42)
+
+
+def position_hash(partition: int, offset: int) -> int:
+    """XXH64 of the offset seeded by the partition's hash (unsigned): Spark's
+    ``xxhash64(partition, offset)``, the first step of every record's hashes."""
+    return _XXH64(_PACK_LONG(offset), _partition_seed(partition))
+
+
+def in_sample(partition: int, offset: int, k: int, position: int | None = None) -> bool:
+    """Whether the record at (``partition``, ``offset``) is in the 1-in-``k`` content sample:
+    ``pmod(xxhash64(partition, offset), k) = 0`` as Spark computes it over ``kafka_partition``
+    (int) and ``kafka_offset`` (bigint), see :func:`sample_condition`. Every record for
+    ``k == 1``. ``position``: :func:`position_hash` of the record, when known."""
+    if k == 1:
+        return True
+    h = position_hash(partition, offset) if position is None else position
+    return (h - _TWO_64 if h >= _TWO_63 else h) % k == 0  # Python's % is Spark's pmod for k > 0
+
+
+def sample_condition(k: int) -> Column:
+    """:func:`in_sample` as a Spark condition over a raw table's rows (or quarantine rows)."""
+    from pyspark.sql import functions as F
+
+    return F.pmod(F.xxhash64("kafka_partition", "kafka_offset"), F.lit(k)) == 0
+
+
+def miss_bound(k: int, m: int) -> float:
+    """The probability that a 1-in-``k`` sample misses every one of ``m`` faulty records
+    (each is in the sample with probability 1/k, independently as far as the hash goes)."""
+    return (1 - 1 / k) ** m
 
 
 def _string(value: Any) -> bytes:

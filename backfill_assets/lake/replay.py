@@ -247,10 +247,13 @@ def offset_contract(
     published: dict[datetime, dict[int, tuple[int, int]]] | None = None,
     seal_grace: timedelta = timedelta(minutes=5),
     decode: Decode | None = None,
+    decode_sample: int = 1,
+    decode_whole_up_to: int = 50_000,
 ) -> OffsetContract:
     """The exact offsets of hours ``[start, end)`` (see :func:`backfill_assets.lake.windows.scan`),
     chained on ``published`` (the ledger's windows of the topic's raw table); with ``decode``,
-    every record is also decoded independently (:mod:`backfill_assets.lake.content`).
+    the records are also decoded independently (:mod:`backfill_assets.lake.content`): all of
+    them up to ``decode_whole_up_to`` records, else 1 in ``decode_sample``.
 
     Offsets below a partition's log start offset come from the archive. Raises
     :class:`~backfill_assets.lake.windows.WindowNotSealed` or
@@ -265,6 +268,8 @@ def offset_contract(
         archive=archive,
         seal_grace=seal_grace,
         decode=decode,
+        decode_sample=decode_sample,
+        decode_whole_up_to=decode_whole_up_to,
     )
     return OffsetContract(topic, start, end, windows.ranges, windows.kafka_start, windows)
 
@@ -705,6 +710,8 @@ def window_contract(
         published=published,
         seal_grace=timedelta(seconds=settings.seal_grace_s),
         decode=RecordDecoder(spec),
+        decode_sample=settings.content_sample,
+        decode_whole_up_to=settings.content_sample_above,
     )
 
 

@@ -27,7 +27,6 @@ from the archive the same way.
 
 from __future__ import annotations
 
-import functools
 import json
 import struct
 import time
@@ -40,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from backfill_assets.errors import BackfillError
+from backfill_assets.lake.content import in_sample, position_hash
 
 if TYPE_CHECKING:
     from backfill_assets.lake.archive import Archive
@@ -63,7 +63,7 @@ class WindowError(BackfillError):
         self.missing: dict[int, tuple[int, int]] = dict(missing or {})
 
 
-_INT, _LONG = struct.Struct("<i"), struct.Struct("<q")
+_INT = struct.Struct("<i")
 # librdkafka's consume() returns when it has a full batch or when the timeout ends: with a
 # long timeout, every scan shorter than a batch (a small window's) waited for all of it.
 _BATCH, _POLL_S = 10_000, 0.05
@@ -81,7 +81,12 @@ def record_hash(partition: int, offset: int, key: bytes | None, value: bytes | N
     each input hashed with the previous hash as seed (ints as 4 and longs as 8 little-endian
     bytes, booleans as the int 0/1, binary as its bytes, a NULL skipped), as a signed long.
     """
-    h = _XXH64(_LONG.pack(offset), _partition_seed(partition))
+    return _record_hash(position_hash(partition, offset), key, value)
+
+
+def _record_hash(position: int, key: bytes | None, value: bytes | None) -> int:
+    """:func:`record_hash` from the record's position hash (content.position_hash)."""
+    h = position
     if key is not None:
         h = _XXH64(key, h)
     if value is not None:
@@ -92,12 +97,6 @@ def record_hash(partition: int, offset: int, key: bytes | None, value: bytes | N
 
 _BOOL = {False: _INT.pack(0), True: _INT.pack(1)}
 _TWO_63, _TWO_64 = 1 << 63, 1 << 64
-
-
-@functools.cache
-def _partition_seed(partition: int) -> int:
-    """The hash's first step, the same for every record of a partition."""
-    return _XXH64(_INT.pack(partition), 42)
 
 
 @dataclass
@@ -117,13 +116,17 @@ class Cell:
     decoded_sum: int = 0
     unverified: int = 0
 
-    def add(self, offset: int, key: bytes | None, value: bytes | None, partition: int) -> None:
+    def add(self, offset: int, key: bytes | None, value: bytes | None, partition: int) -> int:
+        """Count one record; its position hash (content.position_hash), which the decode's
+        sample reuses."""
         self.records += 1
         self.size += len(key or b"") + len(value or b"")
-        self.hash_sum += record_hash(partition, offset, key, value)
+        position = position_hash(partition, offset)
+        self.hash_sum += _record_hash(position, key, value)
         if self.first_offset is None:
             self.first_offset = offset
         self.last_offset = offset
+        return position
 
     def add_decoded(self, kind: str, detail: Any) -> None:
         if kind == "row":
@@ -144,9 +147,13 @@ class Windows:
     cells: dict[datetime, dict[int, Cell]]
     # Per partition, Kafka's log start offset: offsets below it were read from the archive.
     kafka_start: dict[int, int] = field(default_factory=dict)
-    # Whether every record was also decoded (scan's ``decode``): the cells' decoded figures.
+    # Whether the records were also decoded (scan's ``decode``): the cells' decoded figures.
     decoded: bool = False
     decode_s: float = 0.0  # seconds the decode took
+    # K: the decode covered the records content.in_sample(partition, offset, K) picks (1:
+    # every record), and how many records it decoded.
+    content_sample: int = 1
+    decoded_records: int = 0
 
     @property
     def hours(self) -> list[datetime]:
@@ -242,8 +249,7 @@ class _Cursor:
     index: int = -1  # the hour being filled; -1 before the first boundary
     position: int = 0  # next offset to read
     bounds_ms: list[int] = field(default_factory=list)  # bounds as epoch millis
-    decode: Decode | None = None
-    decode_s: float = 0.0
+    decoding: _Decoding | None = None
 
     # fixed_after[i]: the first boundary after i the ledger fixes (None: none). While records
     # are fed, no boundary after the next one is found yet, so this is cap(i + 1) then, in O(1)
@@ -313,11 +319,63 @@ class _Cursor:
                 start = self.bound(self.index)
                 assert start is not None
                 cell = cells[self.index] = Cell(start, start)
-            cell.add(offset, key, value, self.partition)
-            if self.decode is not None:
-                began = time.perf_counter()
-                cell.add_decoded(*self.decode(self.partition, offset, key, value))
-                self.decode_s += time.perf_counter() - began
+            position = cell.add(offset, key, value, self.partition)
+            if self.decoding is not None:
+                self.decoding.add(cell, self.partition, offset, key, value, position)
+
+
+@dataclass
+class _Decoding:
+    """The independent decode of a scan's records: every record of a window of at most
+    ``whole_up_to`` records, else those :func:`backfill_assets.lake.content.in_sample` picks
+    for ``sample``. The records outside the sample wait (their bytes, not decoded) until the
+    window proves larger than ``whole_up_to``, or are decoded at the end (:meth:`finish`)."""
+
+    decode: Decode
+    sample: int
+    whole_up_to: int
+    seconds: float = 0.0
+    records: int = 0  # the window's records seen
+    decoded: int = 0
+    waiting: list[tuple[Cell, int, int, bytes | None, bytes | None]] | None = field(
+        default_factory=list
+    )
+
+    def add(
+        self,
+        cell: Cell,
+        partition: int,
+        offset: int,
+        key: bytes | None,
+        value: bytes | None,
+        position: int | None = None,
+    ) -> None:
+        self.records += 1
+        if self.sample > 1 and not in_sample(partition, offset, self.sample, position):
+            if self.waiting is not None:
+                if self.records > self.whole_up_to:
+                    self.waiting = None  # a large window: only the sample is decoded
+                else:
+                    self.waiting.append((cell, partition, offset, key, value))
+            return
+        began = time.perf_counter()
+        cell.add_decoded(*self.decode(partition, offset, key, value))
+        self.seconds += time.perf_counter() - began
+        self.decoded += 1
+
+    def finish(self) -> int:
+        """Decode the waiting records of a small window; the sample the decode covered."""
+        if self.waiting is None or self.records > self.whole_up_to:
+            self.waiting = None
+            return self.sample
+        began = time.perf_counter()
+        decode = self.decode
+        for cell, partition, offset, key, value in self.waiting:
+            cell.add_decoded(*decode(partition, offset, key, value))
+        self.seconds += time.perf_counter() - began
+        self.decoded += len(self.waiting)
+        self.waiting = None
+        return 1
 
 
 def scan(
@@ -332,6 +390,8 @@ def scan(
     now: datetime | None = None,
     timeout_s: float = 60.0,
     decode: Decode | None = None,
+    decode_sample: int = 1,
+    decode_whole_up_to: int = 50_000,
 ) -> Windows:
     """The windows of hours ``[start, end)`` of ``topic`` and Kafka's figures for each.
 
@@ -341,8 +401,11 @@ def scan(
     the first boundary). Raises :class:`WindowNotSealed` or :class:`WindowError` naming the
     partition, hour and offsets, and never returns a guess.
 
-    With ``decode``, every record of the windows is also decoded on the way (the independent
-    decode of :mod:`backfill_assets.lake.content`) and the cells sum what it says.
+    With ``decode``, the records of the windows are also decoded on the way (the independent
+    decode of :mod:`backfill_assets.lake.content`) and the cells sum what it says: every record
+    when the windows hold at most ``decode_whole_up_to`` records, else the 1 in
+    ``decode_sample`` that :func:`~backfill_assets.lake.content.in_sample` picks
+    (``Windows.content_sample`` says which).
     """
     now = now or datetime.now(UTC)
     if end > now:
@@ -352,6 +415,7 @@ def scan(
         )
     published = published or {}
     bounds = [*hours_between(start, end), end]
+    decoding = None if decode is None else _Decoding(decode, decode_sample, decode_whole_up_to)
     ends = kafka.log_ends(topic)
     parts = sorted(ends)
     cursors: dict[int, _Cursor] = {}
@@ -368,7 +432,7 @@ def scan(
                 # Absent from a published hour: the partition did not exist when that hour
                 # was sealed, so all its records come after it (its chain starts at 0).
                 fixed[i] = 0
-        cursors[p] = _Cursor(p, bounds, fixed, decode=decode)
+        cursors[p] = _Cursor(p, bounds, fixed, decoding=decoding)
     cells: dict[int, list[Cell | None]] = {p: [None] * (len(bounds) - 1) for p in parts}
 
     # Where reading starts: the fixed first boundary, or the broker's hint for it.
@@ -462,15 +526,12 @@ def scan(
             row[p] = cell
         out[hour] = row
     _check_chain(topic, out, published)
-    return Windows(
-        topic,
-        start,
-        end,
-        out,
-        {p: ends[p][0] for p in parts if ends[p][0] > 0},
-        decoded=decode is not None,
-        decode_s=sum(c.decode_s for c in cursors.values()),
-    )
+    windows = Windows(topic, start, end, out, {p: ends[p][0] for p in parts if ends[p][0] > 0})
+    if decoding is not None:
+        windows.content_sample = decoding.finish()
+        windows.decoded, windows.decode_s = True, decoding.seconds
+        windows.decoded_records = decoding.decoded
+    return windows
 
 
 def _read_kafka(

@@ -195,6 +195,12 @@ class Settings:
     # How often a publish whose main moved (disjoint windows published meanwhile) rebases.
     publish_attempts: int = 5
     fault_point: str | None = None  # test-only: see backfill_assets.stack.faults
+    # The decoded_content check decodes every record of a window of at most
+    # content_sample_above records (BACKFILL_CONTENT_SAMPLE_ABOVE), and 1 record in
+    # content_sample (BACKFILL_CONTENT_SAMPLE; 1: every record) of a larger one: see
+    # backfill_assets.lake.content.
+    content_sample: int = 16
+    content_sample_above: int = 50_000
     # The topics-and-tables spec Definitions are built from (BACKFILL_SPEC); None: the
     # package's own topics.yaml.
     spec_path: Path | None = None
@@ -333,6 +339,8 @@ class Settings:
             seal_grace_s=_int(env, "BACKFILL_SEAL_GRACE_S", 300, zero_ok=True),
             publish_attempts=_int(env, "BACKFILL_PUBLISH_ATTEMPTS", 5),
             fault_point=_fault_point(env),
+            content_sample=_content_sample(env),
+            content_sample_above=_int(env, "BACKFILL_CONTENT_SAMPLE_ABOVE", 50_000, zero_ok=True),
             spec_path=Path(env["BACKFILL_SPEC"]).resolve() if env.get("BACKFILL_SPEC") else None,
             maintenance=_maintenance(env),
             run_executor=_run_executor(env),
@@ -387,6 +395,29 @@ def _maintenance(env: Mapping[str, str]) -> MaintenanceSettings:
         cron=cron,
         schedules_running=_switch(env, prefix + "SCHEDULES", default=True),
     )
+
+
+# The sparsest content sample allowed: 1 in 1024 still catches a fault touching 5,000 records
+# of a window with probability 99.2%.
+MAX_CONTENT_SAMPLE = 1024
+
+
+def _content_sample(env: Mapping[str, str]) -> int:
+    """``BACKFILL_CONTENT_SAMPLE``: K, the decoded_content check decodes 1 record in K of a
+    large window (1: every record)."""
+    name = "BACKFILL_CONTENT_SAMPLE"
+    raw = env.get(name) or "16"
+    try:
+        k = int(raw)
+    except ValueError:
+        k = 0
+    if not 1 <= k <= MAX_CONTENT_SAMPLE:
+        raise SettingsError(
+            f"{name}={raw!r}: it must be a whole number from 1 (decode every record) to "
+            f"{MAX_CONTENT_SAMPLE} (decode 1 record in {MAX_CONTENT_SAMPLE} of a window larger "
+            "than BACKFILL_CONTENT_SAMPLE_ABOVE records)"
+        )
+    return k
 
 
 def _int(env: Mapping[str, str], name: str, default: int, zero_ok: bool = False) -> int:
