@@ -44,6 +44,20 @@ NOISE = (
 )
 
 
+# Lines an operator does not need on the console (issue 29): Dagster's per-event debug lines
+# (they are in the instance, shown by the UI), Spark's default logging banner and its start-up
+# warnings (in <BACKFILL_HOME>/logs/spark-driver.log), librdkafka's retries (kafka-clients.log).
+CHATTY = (
+    "STEP_OUTPUT",
+    "ASSET_MATERIALIZATION",
+    "RESOURCE_INIT_STARTED",
+    "Using Spark's default log4j profile",
+    "Setting default log level",
+    "NativeCodeLoader",
+    "GETPID",
+)
+
+
 def _spec_for(topic: str, directory: Path) -> Path:
     """The shipped topics.yaml for a fresh ``topic``: its tables renamed with it, so this module
     never collides with another module's ``orders`` tables in the session's catalog."""
@@ -116,3 +130,9 @@ def test_successful_materialize_prints_no_stack_trace(
     assert output.count("succeeded") == 3, output[-5000:]
     noisy = [line for line in output.splitlines() if any(p.search(line) for p in NOISE)]
     assert not noisy, "a successful run printed:\n" + "\n".join(noisy[:40])
+    chatty = [line for line in output.splitlines() if any(c in line for c in CHATTY)]
+    assert not chatty, "the console shows what the operator does not need:\n" + "\n".join(
+        chatty[:40]
+    )
+    assert f"replaying {topic}" in output  # the runs' own messages are still shown
+    assert (Path(stack_env["BACKFILL_HOME"]) / "logs" / "spark-driver.log").is_file()

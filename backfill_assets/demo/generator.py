@@ -48,6 +48,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 
 from backfill_assets.errors import GeneratorError
+from backfill_assets.stack.kafka import client_log
 from backfill_assets.stack.settings import Settings
 
 RecordKind = Literal["valid", "duplicate", "malformed", "tombstone"]
@@ -976,6 +977,8 @@ def _produce(
         "enable.idempotence": True,
         "linger.ms": 20,
         "compression.type": "lz4",
+        # librdkafka's retries (e.g. while the broker loads its coordinator) go to a log file.
+        "logger": client_log(settings),
     }
     producer = Producer(conf)
     offsets: list[int | None] = [None] * len(plan)

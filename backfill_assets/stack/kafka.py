@@ -9,6 +9,7 @@ broker, the topic and the settings to check. The Dagster resource
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -182,3 +183,19 @@ class KafkaClient:
             }
         finally:
             consumer.close()
+
+
+def client_log(settings: Settings) -> logging.Logger:
+    """A logger for librdkafka's own lines (connection and idempotence retries, which it
+    prints on stderr and retries by itself) that writes them to
+    ``<BACKFILL_HOME>/logs/kafka-clients.log``: pass it as a client's ``logger``."""
+    log = logging.getLogger("backfill_assets.kafka_clients")
+    path = settings.home / "logs" / "kafka-clients.log"
+    if not any(getattr(h, "baseFilename", None) == str(path) for h in log.handlers):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(path)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    return log

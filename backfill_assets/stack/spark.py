@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from backfill_assets.stack import catalog, cds, jars
@@ -68,12 +69,26 @@ def spark_config(settings: Settings, extra: Mapping[str, object] | None = None) 
         driver = f"{local_heap_option(settings)} {driver}"
     if local and (sharing := cds.java_options(settings)):
         driver = f"{sharing} {driver}"  # the class-data-sharing archive
+    if local:
+        driver = f"{log_options(settings)} {driver}"
     for key, ours in (
         ("spark.driver.extraJavaOptions", driver),
         ("spark.executor.extraJavaOptions", JIT_OPTIONS),
     ):
         conf[key] = f"{ours} {conf.get(key, '')}".strip()
     return conf
+
+
+LOG4J_CONFIG = Path(__file__).resolve().parent / "spark-log4j2.properties"
+
+
+def log_options(settings: Settings) -> str:
+    """The local driver logs warnings to ``<BACKFILL_HOME>/logs/spark-driver.log`` and only
+    errors to the console (Spark's default prints its profile banner and start-up warnings on
+    every run). A ``log4j2.configurationFile`` in the settings' own options still wins."""
+    logs = settings.home / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return f"-Dlog4j2.configurationFile={LOG4J_CONFIG} -Dbackfill.log.dir={logs}"
 
 
 def local_heap_option(settings: Settings) -> str:

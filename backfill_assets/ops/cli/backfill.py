@@ -66,6 +66,9 @@ def materialize_command(ui: Ui, settings: Settings, topic: str, start: str, end:
                     "dagster/asset_partition_range_end": f"{last:{PARTITION_FMT}}",
                 },
                 raise_on_error=False,
+                # The console shows the runs' own messages; every event is in the instance
+                # (the Dagster UI), not printed line by line.
+                run_config={"loggers": {"console": {"config": {"log_level": "INFO"}}}},
             )
             runs.append(
                 {
@@ -78,13 +81,25 @@ def materialize_command(ui: Ui, settings: Settings, topic: str, start: str, end:
             )
             if not result.success:
                 ui.emit({"topic": spec.topic, "succeeded": False, "runs": runs})
-                ui.note(f"error: run {result.run_id} failed; see it in the Dagster UI")
+                ui.note(f"error: run {result.run_id} failed: {_failure_of(result)}")
                 return Exit.FAILED
             done += hours(first, stop) * len(keys)
             update(done, None)
             ui.line(f"run {result.run_id} succeeded")
     ui.emit({"topic": spec.topic, "succeeded": True, "runs": runs})
     return 0
+
+
+def _failure_of(result: dg.ExecuteInProcessResult) -> str:
+    """The first failed step's error message, in one line, and where to see the rest."""
+    for event in result.all_events:
+        if event.event_type == dg.DagsterEventType.STEP_FAILURE:
+            data = event.step_failure_data
+            error = data.error if data is not None else None
+            message = (error.message if error is not None else "").strip().splitlines()
+            if message:
+                return f"{event.step_key}: {message[0][:400]} (details in the Dagster UI)"
+    return "see it in the Dagster UI"
 
 
 @click.command("plan", short_help="Replay contract, duration, cost and readiness of a range.")
