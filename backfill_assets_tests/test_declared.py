@@ -84,7 +84,8 @@ def _topic_entry(topic: str, tables: list[dict[str, Any]]) -> dict[str, Any]:
         "event_time_field": "paid_at",
         "partition_start": T0.isoformat(),
         "allowed_lateness_hours": 1,
-        "quarantine_max_ratio": 0.25,
+        # Judged per Kafka hour: the hour holding the malformed records has 3 of 10.
+        "quarantine_max_ratio": 0.35,
         "columns": [
             _col("txn_id", "string"),
             _col("account", "string"),

@@ -81,7 +81,9 @@ class World:
 @pytest.fixture(scope="module")
 def world(stack_settings: Settings, spark_session: SparkSession) -> Iterator[World]:
     topic = f"orders_rb_{uuid.uuid4().hex[:8]}"
-    spec = renamed(SPECS[0], topic=topic)
+    # Partitions from the first hour of data: the event hours of late events before it (which
+    # the declared tables build once their Kafka hours are published) are not what this tests.
+    spec = renamed(SPECS[0], topic=topic, partition_start=START)
     truth = generate(
         stack_settings,
         GeneratorConfig(topic=topic, start=START, hours=HOURS, events_per_hour=80, seed=31),
