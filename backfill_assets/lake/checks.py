@@ -821,41 +821,70 @@ def contract_violations(schema: pa.DataFrameSchema, events: DataFrame) -> dict[s
         return None  # strict: pandera names the missing or extra columns
     out: dict[str, Column] = {}
     for name, column in schema.columns.items():
-        c, spark_type = F.col(name), types[name]
-        fail: dict[str, Column] = {}
-        wrong_type = False
-        if column.dtype is not None:
-            dtype = str(column.dtype)
-            if _PANDAS_DTYPES.get(dtype) != spark_type:
-                fail[f"dtype('{dtype}')" + _ONCE] = F.lit(True)
-                wrong_type = True
-            elif dtype.startswith("int"):
-                fail[f"dtype('{dtype}')" + _ONCE] = c.isNull()
-        for check in column.checks:
-            if check.name in ("is_str", "is_datetime"):
-                wanted = "string" if check.name == "is_str" else "timestamp"
-                wrong_type = wrong_type or spark_type != wanted
-        if not column.nullable:
-            fail["not_nullable"] = c.isNull()
-        for check in column.checks:
-            stats, key = check.statistics, str(check.error or check.name)
-            if check.name not in _TRANSLATED:
-                return None
-            if wrong_type and check.name not in ("is_str", "is_datetime"):
-                # pandera cannot compare values of another type: the check fails, once.
-                fail[key + _ONCE] = F.lit(True)
-            elif check.name == "isin":
-                fail[key] = c.isNotNull() & ~c.isin(list(stats["allowed_values"]))
-            elif check.name == "greater_than_or_equal_to":
-                fail[key] = c < F.lit(stats["min_value"])
-            elif check.name == "less_than_or_equal_to":
-                fail[key] = c > F.lit(stats["max_value"])
-            else:
-                wanted = "string" if check.name == "is_str" else "timestamp"
-                fail[key + _ONCE] = F.lit(spark_type != wanted)
+        fail = _column_violations(column, F.col(name), types[name])
+        if fail is None:
+            return None
         for check_name, bad in fail.items():
             out[f"{name}: {check_name}"] = F.when(bad, 1).otherwise(0)
     return out
+
+
+def _column_violations(column: pa.Column, c: Column, spark_type: str) -> dict[str, Column] | None:
+    """One column's counters for :func:`contract_violations` (check -> failing-row
+    expression), or None if one of its checks has no translation."""
+    fail: dict[str, Column] = {}
+    wrong_type = _dtype_violation(column, c, spark_type, fail)
+    for check in column.checks:
+        if check.name in ("is_str", "is_datetime"):
+            wanted = "string" if check.name == "is_str" else "timestamp"
+            wrong_type = wrong_type or spark_type != wanted
+    if not column.nullable:
+        fail["not_nullable"] = c.isNull()
+    for check in column.checks:
+        key = str(check.error or check.name)
+        if check.name not in _TRANSLATED:
+            return None
+        counter, bad = _check_violation(check, key, c, spark_type, wrong_type)
+        fail[counter] = bad
+    return fail
+
+
+def _dtype_violation(
+    column: pa.Column, c: Column, spark_type: str, fail: dict[str, Column]
+) -> bool:
+    """Add the column's dtype counter to ``fail``; True if the Spark type is not the one
+    whose values pandas receives with that dtype."""
+    from pyspark.sql import functions as F
+
+    if column.dtype is None:
+        return False
+    dtype = str(column.dtype)
+    if _PANDAS_DTYPES.get(dtype) != spark_type:
+        fail[f"dtype('{dtype}')" + _ONCE] = F.lit(True)
+        return True
+    if dtype.startswith("int"):
+        fail[f"dtype('{dtype}')" + _ONCE] = c.isNull()
+    return False
+
+
+def _check_violation(
+    check: pa.Check, key: str, c: Column, spark_type: str, wrong_type: bool
+) -> tuple[str, Column]:
+    """The counter name and failing-row expression of one translated value or type check."""
+    from pyspark.sql import functions as F
+
+    stats: Any = check.statistics
+    if wrong_type and check.name not in ("is_str", "is_datetime"):
+        # pandera cannot compare values of another type: the check fails, once.
+        return key + _ONCE, F.lit(True)
+    if check.name == "isin":
+        return key, c.isNotNull() & ~c.isin(list(stats["allowed_values"]))
+    if check.name == "greater_than_or_equal_to":
+        return key, c < F.lit(stats["min_value"])
+    if check.name == "less_than_or_equal_to":
+        return key, c > F.lit(stats["max_value"])
+    wanted = "string" if check.name == "is_str" else "timestamp"
+    return key + _ONCE, F.lit(spark_type != wanted)
 
 
 def contract_failures(sums: dict[str, Any]) -> dict[str, int]:

@@ -254,10 +254,82 @@ def build_declared(
     """Recompute event-time hours ``[start, end)`` of a declared table onto a run branch: its
     SQL over the relations it reads (registered as temporary views under their spec names),
     one atomic overwrite of those hours on the branch, then the checks on the branch."""
-    from pyspark.sql import functions as F
-
     full = sources.table_name(table.name)
     known = declared.relations(list(sources.specs.values()))
+    _ensure_declared_table(spark, full, table)
+    lookback = timedelta(hours=table.lookback_hours)
+    idents, reads = pin_inputs(spark, table, sources, known)
+    inputs = _Inputs(sources, known, idents)
+    views: list[str] = []
+    persisted: list[DataFrame] = []
+    try:
+        frames, conflicts = _register_relations(
+            spark, table, inputs, start - lookback, end, views, persisted
+        )
+        result, window, outside = _declared_result(spark, table, start, end, persisted)
+        source_figures = _source_figures(spark, table, inputs, frames, start, end)
+        branch = open_branch(spark, full, run_id, attempt)
+        result.where(window).writeTo(branch.ident).overwrite(window)
+    finally:
+        for view in views:
+            spark.catalog.dropTempView(view)
+        for frame in persisted:
+            frame.unpersist()
+    written = _check_written(spark, table, branch, window, start, end)
+    contract = _with_outside(written.contract, outside, start, end, table)
+    outcomes = [
+        contract,
+        CheckOutcome(
+            "uniqueness",
+            written.repeated == 0,
+            f"{written.repeated} grain value(s) ({', '.join(table.grain)}) appear more than once",
+            {
+                "rows": written.rows,
+                "repeated_grain_values": written.repeated,
+                "grain": list(table.grain),
+            },
+        ),
+    ]
+    if table.measures:
+        outcomes.append(_reconciliation(table, written.figures, source_figures))
+    return DerivedOutcome(
+        branch,
+        outcomes,
+        {
+            "rows": written.rows,
+            "event_time_window": f"{start.isoformat()}/{end.isoformat()}",
+            "reads": list(table.refs),
+            "conflicting_event_ids": conflicts,
+            **{f"measure/{k}": v for k, v in written.figures.items()},
+        },
+        {h: {"rows": n} for h, n in written.hourly.items()},
+        reads,
+    )
+
+
+@dataclass
+class _Inputs:
+    """How one declared-table run reads its relations: the sources, the relations the specs
+    declare, and each read relation's pinned Spark identifier."""
+
+    sources: Sources
+    known: dict[str, declared.Relation]
+    idents: dict[str, str]
+
+
+@dataclass
+class _Written:
+    """What the checks measured on the hours a declared-table run wrote to its branch."""
+
+    rows: int
+    hourly: dict[str, int]
+    repeated: int
+    figures: dict[str, Any]
+    contract: CheckOutcome
+
+
+def _ensure_declared_table(spark: SparkSession, full: str, table: TableSpec) -> None:
+    """Create the declared table if it does not exist; refuse one with other columns."""
     cols = ", ".join(f"{c.name} {SPARK_TYPES[c.type]}" for c in table.columns)
     spark.sql(
         f"CREATE TABLE IF NOT EXISTS {full} ({cols}) USING iceberg "
@@ -266,51 +338,92 @@ def build_declared(
         f"PARTITIONED BY (hours({table.event_time})) TBLPROPERTIES ('format-version'='2')"
     )
     _same_layout(spark, full, table)
-    lookback = timedelta(hours=table.lookback_hours)
-    idents, reads = pin_inputs(spark, table, sources, known)
-    views: list[str] = []
-    persisted: list[DataFrame] = []
-    try:
-        conflicts = 0
-        frames: dict[str, DataFrame] = {}
-        for ref in table.refs:
-            frame = _relation(spark, ref, sources, known, start - lookback, end, idents)
-            if known[ref].kind == "events":
-                frame = frame.persist()
-                persisted.append(frame)
-                conflicts += frame.where(F.col("_versions") > 1).count()
-                frame = frame.drop("_versions")
-            frames[ref] = frame
-            frame.createOrReplaceTempView(ref)
-            views.append(ref)
-        result = spark.sql(declared.render(table.sql, start, end)).select(
-            *[F.col(c.name).cast(SPARK_TYPES[c.type]).alias(c.name) for c in table.columns]
-        )
-        ts = F.col(table.event_time)
-        window = (ts >= _ts(start)) & (ts < _ts(end))
-        # Rows outside the window are not written (they would land in hours this run does not
-        # own); the contract check counts them, so such SQL cannot publish.
-        result = result.localCheckpoint(eager=True)
-        persisted.append(result)
-        outside = result.where(~window | ts.isNull()).count()
-        src_rel = known[table.source]
-        src = (
-            frames[table.source]
-            if src_rel.kind == "events" and not table.lookback_hours
-            else _relation(spark, table.source, sources, known, start, end, idents)
-        )
-        if "_versions" in src.columns:
-            src = src.drop("_versions")
-        source_figures = _measure_figures(
-            spark, table, src.where(_window_on(src_rel, start, end)), side="source"
-        )
-        branch = open_branch(spark, full, run_id, attempt)
-        result.where(window).writeTo(branch.ident).overwrite(window)
-    finally:
-        for view in views:
-            spark.catalog.dropTempView(view)
-        for frame in persisted:
-            frame.unpersist()
+
+
+def _register_relations(
+    spark: SparkSession,
+    table: TableSpec,
+    inputs: _Inputs,
+    start: datetime,
+    end: datetime,
+    views: list[str],
+    persisted: list[DataFrame],
+) -> tuple[dict[str, DataFrame], int]:
+    """Register each relation ``table`` reads as a temporary view under its spec name; return
+    the frames by name and the conflicting event ids counted. Appends to ``views`` and
+    ``persisted`` as it goes, so the caller releases whatever was registered if one fails."""
+    from pyspark.sql import functions as F
+
+    conflicts = 0
+    frames: dict[str, DataFrame] = {}
+    for ref in table.refs:
+        frame = _relation(spark, ref, inputs.sources, inputs.known, start, end, inputs.idents)
+        if inputs.known[ref].kind == "events":
+            frame = frame.persist()
+            persisted.append(frame)
+            conflicts += frame.where(F.col("_versions") > 1).count()
+            frame = frame.drop("_versions")
+        frames[ref] = frame
+        frame.createOrReplaceTempView(ref)
+        views.append(ref)
+    return frames, conflicts
+
+
+def _declared_result(
+    spark: SparkSession,
+    table: TableSpec,
+    start: datetime,
+    end: datetime,
+    persisted: list[DataFrame],
+) -> tuple[DataFrame, Column, int]:
+    """The declared SQL's result cast to the declared columns and checkpointed (appended to
+    ``persisted``), the run's window predicate, and how many result rows fall outside it."""
+    from pyspark.sql import functions as F
+
+    result = spark.sql(declared.render(table.sql, start, end)).select(
+        *[F.col(c.name).cast(SPARK_TYPES[c.type]).alias(c.name) for c in table.columns]
+    )
+    ts = F.col(table.event_time)
+    window = (ts >= _ts(start)) & (ts < _ts(end))
+    # Rows outside the window are not written (they would land in hours this run does not
+    # own); the contract check counts them, so such SQL cannot publish.
+    result = result.localCheckpoint(eager=True)
+    persisted.append(result)
+    outside = result.where(~window | ts.isNull()).count()
+    return result, window, outside
+
+
+def _source_figures(
+    spark: SparkSession,
+    table: TableSpec,
+    inputs: _Inputs,
+    frames: dict[str, DataFrame],
+    start: datetime,
+    end: datetime,
+) -> dict[str, Any]:
+    """Each measure's aggregate over the source relation's rows in ``[start, end)``."""
+    src_rel = inputs.known[table.source]
+    src = (
+        frames[table.source]
+        if src_rel.kind == "events" and not table.lookback_hours
+        else _relation(spark, table.source, inputs.sources, inputs.known, start, end, inputs.idents)
+    )
+    if "_versions" in src.columns:
+        src = src.drop("_versions")
+    return _measure_figures(spark, table, src.where(_window_on(src_rel, start, end)), side="source")
+
+
+def _check_written(
+    spark: SparkSession,
+    table: TableSpec,
+    branch: Branch,
+    window: Column,
+    start: datetime,
+    end: datetime,
+) -> _Written:
+    """Measure the window's rows on the run branch (persisted while measured)."""
+    from pyspark.sql import functions as F
+
     written = spark.table(branch.ident).where(window).persist()
     try:
         rows = written.count()
@@ -322,31 +435,7 @@ def build_declared(
         contract = checks.schema_contract(written, table.columns, at_most=rows)
     finally:
         written.unpersist()
-    contract = _with_outside(contract, outside, start, end, table)
-    outcomes = [
-        contract,
-        CheckOutcome(
-            "uniqueness",
-            repeated == 0,
-            f"{repeated} grain value(s) ({', '.join(table.grain)}) appear more than once",
-            {"rows": rows, "repeated_grain_values": repeated, "grain": list(table.grain)},
-        ),
-    ]
-    if table.measures:
-        outcomes.append(_reconciliation(table, table_figures, source_figures))
-    return DerivedOutcome(
-        branch,
-        outcomes,
-        {
-            "rows": rows,
-            "event_time_window": f"{start.isoformat()}/{end.isoformat()}",
-            "reads": list(table.refs),
-            "conflicting_event_ids": conflicts,
-            **{f"measure/{k}": v for k, v in table_figures.items()},
-        },
-        {h: {"rows": n} for h, n in hourly.items()},
-        reads,
-    )
+    return _Written(rows, hourly, repeated, table_figures, contract)
 
 
 def _window_on(rel: declared.Relation, start: datetime, end: datetime) -> Column:
@@ -449,6 +538,17 @@ def _same_layout(spark: SparkSession, full: str, table: TableSpec) -> None:
         )
 
 
+# The columns a current-state row holds after its key and the topic's payload columns.
+_STATE_COLUMNS = (
+    "deleted",
+    "order_ts",
+    "kafka_timestamp",
+    "kafka_hour",
+    "kafka_partition",
+    "kafka_offset",
+)
+
+
 def build_current(
     spark: SparkSession,
     spec: TopicSpec,
@@ -462,12 +562,28 @@ def build_current(
     """Recompute, onto a run branch of the current-state table, every key touched by Kafka
     hours ``[start, end)``: keys with a raw row there, and keys whose current row came from
     there (so a rolled-back raw hour is undone by re-running it). One MERGE commit."""
-    from pyspark.sql import Window
-    from pyspark.sql import functions as F
-
-    rule = spec.current_rule
-    key = rule.key
+    key = spec.current_rule.key
     payload = [c.name for c in spec.columns if c.name != key]
+    _ensure_current_table(spark, spec, table)
+    raw = spark.table(raw_table)
+    source = _current_source(spark, spec, raw_table, raw, table, start, end)
+    try:
+        view = f"_current_src_{run_id.replace('-', '_')}_{attempt}"
+        source.createOrReplaceTempView(view)
+        branch = open_branch(spark, table, run_id, attempt)
+        _merge_current(spark, branch, view, key, payload)
+        state = spark.table(branch.ident)
+        not_applied = _not_applied(source, state, key)
+        source_keys = source.count()
+        spark.catalog.dropTempView(view)
+    finally:
+        source.unpersist()
+    return _current_outcome(spec, raw, state, branch, start, end, not_applied, source_keys)
+
+
+def _ensure_current_table(spark: SparkSession, spec: TopicSpec, table: str) -> None:
+    """Create the current-state table if it does not exist; refuse one with the old layout."""
+    key = spec.current_rule.key
     cols = ", ".join(f"{c.name} {c.type}" for c in spec.columns if c.name != key)
     spark.sql(
         f"CREATE TABLE IF NOT EXISTS {table} ({key} string, {cols}, "
@@ -480,8 +596,27 @@ def build_current(
             f"table {table} has the old layout; drop it (DROP TABLE {table} PURGE) and re-run "
             "the current-state backfill"
         )
+
+
+def _current_source(
+    spark: SparkSession,
+    spec: TopicSpec,
+    raw_table: str,
+    raw: DataFrame,
+    table: str,
+    start: datetime,
+    end: datetime,
+) -> DataFrame:
+    """Per key touched by Kafka hours ``[start, end)``: its latest winning event or tombstone
+    (``_gone`` when no raw row is left), checkpointed so the MERGE does not read the raw
+    table's lineage."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    rule = spec.current_rule
+    key = rule.key
+    payload = [c.name for c in spec.columns if c.name != key]
     hours = (F.col("kafka_hour") >= _ts(start)) & (F.col("kafka_hour") < _ts(end))
-    raw = spark.table(raw_table)
     touched = (
         raw.where(hours)
         .select(key)
@@ -514,75 +649,66 @@ def build_current(
         .withColumn("order_ts", order_ts)
         .withColumn("_n", F.row_number().over(latest_first))
         .where(F.col("_n") == 1)
-        .select(
-            key,
-            *payload,
-            deleted.alias("deleted"),
-            "order_ts",
-            "kafka_timestamp",
-            "kafka_hour",
-            "kafka_partition",
-            "kafka_offset",
-        )
+        .select(key, *payload, deleted.alias("deleted"), *_STATE_COLUMNS[1:])
     )
     # Touched keys with no raw row left (their hours were rolled back) are removed.
-    source = (
+    return (
         touched.join(winners, key, "left")
         .withColumn("_gone", F.col("order_ts").isNull())
         # Cut the lineage to the raw table: Spark 4.1 cannot plan a MERGE whose source view
         # still references another Iceberg table ("No plan for TableReference").
         .localCheckpoint(eager=True)
     )
-    try:
-        view = f"_current_src_{run_id.replace('-', '_')}_{attempt}"
-        source.createOrReplaceTempView(view)
-        branch = open_branch(spark, table, run_id, attempt)
-        keep = ", ".join(
-            f"{c} = s.{c}"
-            for c in [
-                *payload,
-                "deleted",
-                "order_ts",
-                "kafka_timestamp",
-                "kafka_hour",
-                "kafka_partition",
-                "kafka_offset",
-            ]
-        )
-        insert_cols = [
-            key,
-            *payload,
-            "deleted",
-            "order_ts",
-            "kafka_timestamp",
-            "kafka_hour",
-            "kafka_partition",
-            "kafka_offset",
-        ]
-        spark.sql(
-            f"MERGE INTO {branch.ident} t USING {view} s ON t.{key} = s.{key} "
-            "WHEN MATCHED AND s._gone THEN DELETE "
-            f"WHEN MATCHED THEN UPDATE SET {keep} "
-            f"WHEN NOT MATCHED AND NOT s._gone THEN INSERT ({', '.join(insert_cols)}) "
-            f"VALUES ({', '.join('s.' + c for c in insert_cols)})"
-        )
-        state = spark.table(branch.ident)
-        joined = source.alias("s").join(state.alias("t"), key, "left")
-        not_applied = joined.where(
-            (F.col("s._gone") & F.col("t.order_ts").isNotNull())
-            | (
-                ~F.col("s._gone")
-                & (
-                    F.col("t.order_ts").isNull()
-                    | (F.col("t.kafka_partition") != F.col("s.kafka_partition"))
-                    | (F.col("t.kafka_offset") != F.col("s.kafka_offset"))
-                )
+
+
+def _merge_current(
+    spark: SparkSession, branch: Branch, view: str, key: str, payload: list[str]
+) -> None:
+    """Apply the source ``view`` to the branch in one MERGE (one atomic commit): delete gone
+    keys, update matched ones, insert new ones."""
+    keep = ", ".join(f"{c} = s.{c}" for c in [*payload, *_STATE_COLUMNS])
+    insert_cols = [key, *payload, *_STATE_COLUMNS]
+    spark.sql(
+        f"MERGE INTO {branch.ident} t USING {view} s ON t.{key} = s.{key} "
+        "WHEN MATCHED AND s._gone THEN DELETE "
+        f"WHEN MATCHED THEN UPDATE SET {keep} "
+        f"WHEN NOT MATCHED AND NOT s._gone THEN INSERT ({', '.join(insert_cols)}) "
+        f"VALUES ({', '.join('s.' + c for c in insert_cols)})"
+    )
+
+
+def _not_applied(source: DataFrame, state: DataFrame, key: str) -> int:
+    """Touched keys whose state row is not their source row (or is there though gone)."""
+    from pyspark.sql import functions as F
+
+    joined = source.alias("s").join(state.alias("t"), key, "left")
+    return joined.where(
+        (F.col("s._gone") & F.col("t.order_ts").isNotNull())
+        | (
+            ~F.col("s._gone")
+            & (
+                F.col("t.order_ts").isNull()
+                | (F.col("t.kafka_partition") != F.col("s.kafka_partition"))
+                | (F.col("t.kafka_offset") != F.col("s.kafka_offset"))
             )
-        ).count()
-        source_keys = source.count()
-        spark.catalog.dropTempView(view)
-    finally:
-        source.unpersist()
+        )
+    ).count()
+
+
+def _current_outcome(
+    spec: TopicSpec,
+    raw: DataFrame,
+    state: DataFrame,
+    branch: Branch,
+    start: datetime,
+    end: datetime,
+    not_applied: int,
+    source_keys: int,
+) -> DerivedOutcome:
+    """The checks of a current-state run's branch and its per-Kafka-hour figures."""
+    from pyspark.sql import functions as F
+
+    key = spec.current_rule.key
     agg = state.agg(F.count("*").alias("rows"), F.countDistinct(key).alias("keys")).first()
     assert agg is not None
     # Per Kafka hour: raw records read, and state rows whose latest record is from that hour.

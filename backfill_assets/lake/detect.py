@@ -237,25 +237,9 @@ def _read_hours(
 ) -> tuple[dict[int, dict[int, tuple[int, int]]], dict[int, tuple[int, int]]]:
     """Hour (epoch ms) -> partition -> offsets of the committed records in the given ranges,
     and, per partition left unread (budget spent, or no answer), (next offset, its hour)."""
-    from confluent_kafka import Consumer, KafkaError, TopicPartition
+    from confluent_kafka import Consumer
 
-    cells: dict[int, dict[int, tuple[int, int]]] = {}
-    rest: dict[int, tuple[int, int]] = {}
-    pending = {p: list(reversed(t)) for p, t in tasks.items()}
-    state: dict[int, list[int]] = {}  # partition -> [end, hour, cell start, running, lo, hi]
-
-    def close(p: int, at: int) -> None:
-        end, hour, cell_start = state[p][0], state[p][1], state[p][2]
-        if hour >= 0 and min(at, end) > cell_start:
-            cells.setdefault(hour, {})[p] = (cell_start, min(at, end))
-
-    def begin(p: int) -> TopicPartition:
-        start, end, before, after = pending[p].pop()
-        lo = before + HOUR_MS if before is not None else -1
-        hi = after - HOUR_MS if after is not None else 1 << 62
-        state[p] = [end, -1, start, lo, lo, hi]
-        return TopicPartition(topic, p, start)
-
+    reader = _HourReader(topic, budget, {p: list(reversed(t)) for p, t in tasks.items()})
     consumer = Consumer(
         {
             **kafka.settings.kafka.range_reader_config(),
@@ -267,10 +251,9 @@ def _read_hours(
             "isolation.level": "read_committed",
         }
     )
-    read = 0
     try:
-        consumer.assign([begin(p) for p in sorted(pending)])
-        active = set(state)
+        consumer.assign([reader.begin(p) for p in sorted(reader.pending)])
+        active = set(reader.state)
         idle_since = time.monotonic()
         while active:
             msgs = consumer.consume(num_messages=10_000, timeout=_POLL_S)
@@ -284,54 +267,104 @@ def _read_hours(
                 p = msg.partition()
                 if p is None or p not in active or p in finished:
                     continue
-                st = state[p]
-                err = msg.error()
-                offset = msg.offset()
-                if err is not None:
-                    if err.code() != KafkaError._PARTITION_EOF:
-                        raise RuntimeError(
-                            f"topic {topic!r} partition {p}: Kafka error while looking for "
-                            f"gaps: {err.str()}"
-                        )
+                if reader.take(p, msg):
                     finished.add(p)
-                    continue
-                assert offset is not None
-                if offset >= st[0]:
-                    finished.add(p)
-                    continue
-                read += 1
-                ts = msg.timestamp()[1]
-                hour = min(max(st[3], ts - ts % HOUR_MS), st[5])
-                st[3] = max(st[3], hour)
-                if hour != st[1]:
-                    if st[1] >= 0:
-                        close(p, offset)
-                        st[2] = offset
-                    st[1] = hour
-                if offset + 1 >= st[0]:
-                    finished.add(p)
-                elif read >= budget:
-                    rest[p] = (offset + 1, st[1])
-                    close(p, offset + 1)
-                    finished.add(p)
-                    pending[p] = []
-            for p in finished:
-                if p not in rest:
-                    close(p, state[p][0])
-                consumer.incremental_unassign([TopicPartition(topic, p)])
-                if pending[p] and read < budget:
-                    consumer.incremental_assign([begin(p)])
-                    continue
-                if pending[p]:  # budget spent before this range: left to the probes
-                    start, _end, before, _after = pending[p][-1]
-                    rest[p] = (start, before + HOUR_MS if before is not None else -1)
-                active.discard(p)
-        for p in active:  # no answer within the request timeout: left to the probes
-            rest[p] = (state[p][2], max(state[p][1], state[p][4]))
-            close(p, state[p][2])
+            reader.release(consumer, finished, active)
+        reader.give_up(active)
     finally:
         consumer.close()
-    return cells, rest
+    return reader.cells, reader.rest
+
+
+@dataclass
+class _HourReader:
+    """The state of one :func:`_read_hours` pass: the ranges left per partition, the one being
+    read, the cells found so far and what is left to the probes."""
+
+    topic: str
+    budget: int
+    pending: dict[int, list[tuple[int, int, int | None, int | None]]]
+    cells: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    rest: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # partition -> [end, hour, cell start, running, lo, hi]
+    state: dict[int, list[int]] = field(default_factory=dict)
+    read: int = 0
+
+    def close(self, p: int, at: int) -> None:
+        """End partition ``p``'s current cell at offset ``at`` (capped at its range's end)."""
+        end, hour, cell_start = self.state[p][0], self.state[p][1], self.state[p][2]
+        if hour >= 0 and min(at, end) > cell_start:
+            self.cells.setdefault(hour, {})[p] = (cell_start, min(at, end))
+
+    def begin(self, p: int) -> Any:
+        """Start partition ``p``'s next pending range; the assignment that reads it."""
+        from confluent_kafka import TopicPartition
+
+        start, end, before, after = self.pending[p].pop()
+        lo = before + HOUR_MS if before is not None else -1
+        hi = after - HOUR_MS if after is not None else 1 << 62
+        self.state[p] = [end, -1, start, lo, lo, hi]
+        return TopicPartition(self.topic, p, start)
+
+    def take(self, p: int, msg: Any) -> bool:
+        """Attribute one message of partition ``p``; True when the partition's range is done
+        (its end, end of partition, or the budget spent)."""
+        from confluent_kafka import KafkaError
+
+        st = self.state[p]
+        err = msg.error()
+        offset = msg.offset()
+        if err is not None:
+            if err.code() != KafkaError._PARTITION_EOF:
+                raise RuntimeError(
+                    f"topic {self.topic!r} partition {p}: Kafka error while looking for "
+                    f"gaps: {err.str()}"
+                )
+            return True
+        assert offset is not None
+        if offset >= st[0]:
+            return True
+        self.read += 1
+        ts = msg.timestamp()[1]
+        hour = min(max(st[3], ts - ts % HOUR_MS), st[5])
+        st[3] = max(st[3], hour)
+        if hour != st[1]:
+            if st[1] >= 0:
+                self.close(p, offset)
+                st[2] = offset
+            st[1] = hour
+        if offset + 1 >= st[0]:
+            return True
+        if self.read >= self.budget:
+            self.rest[p] = (offset + 1, st[1])
+            self.close(p, offset + 1)
+            self.pending[p] = []
+            return True
+        return False
+
+    def release(self, consumer: Any, finished: set[int], active: set[int]) -> None:
+        """Close the ``finished`` partitions' cells and unassign them; start each one's next
+        range while the budget lasts, else leave it to the probes and drop it from ``active``."""
+        from confluent_kafka import TopicPartition
+
+        for p in finished:
+            if p not in self.rest:
+                self.close(p, self.state[p][0])
+            consumer.incremental_unassign([TopicPartition(self.topic, p)])
+            if self.pending[p] and self.read < self.budget:
+                consumer.incremental_assign([self.begin(p)])
+                continue
+            if self.pending[p]:  # budget spent before this range: left to the probes
+                start, _end, before, _after = self.pending[p][-1]
+                self.rest[p] = (start, before + HOUR_MS if before is not None else -1)
+            active.discard(p)
+
+    def give_up(self, active: set[int]) -> None:
+        """Leave the partitions still ``active`` (no answer within the request timeout) to
+        the probes."""
+        for p in active:
+            self.rest[p] = (self.state[p][2], max(self.state[p][1], self.state[p][4]))
+            self.close(p, self.state[p][2])
 
 
 def _max_timestamp_hour(kafka: KafkaClient, topic: str, parts: list[int]) -> datetime | None:

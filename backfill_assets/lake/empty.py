@@ -91,32 +91,60 @@ def kafka_hours(
     ends = kafka.log_ends(topic)  # partition -> (log start, LSO, high watermark)
     holding = {p: e for p, e in ends.items() if e[2] > e[0]}
     # Before the data.
-    oldest: datetime | None = None
-    head = windows[hours[0]] if hours else None
-    if head is not None and all(s == 0 for s, _ in head.values()):
-        oldest = hours[0]
-    elif not hours and all(hw == 0 for _, _, hw in ends.values()):
-        oldest = sealed_until  # nothing was ever written
-    elif holding and all(lo == 0 for lo, _, _ in holding.values()):
-        found = _oldest_record_hour(kafka, topic, list(holding))
-        if found is not None:
-            oldest = min(found, hours[0]) if hours else found
+    oldest = _oldest_hour(kafka, topic, hours, windows, ends, holding, sealed_until)
     if oldest is not None:
         out |= _span(first, min(oldest, sealed_until))
     # After the data: only while no transaction is open.
     if all(lso == hw for _, lso, hw in ends.values()):
-        last = hours[-1] if hours else None
-        tail = windows[last] if last is not None else None
-        newest: datetime | None = None
-        if last is not None and tail is not None and _covers_log(tail, ends):
-            newest = last
-        elif holding:
-            newest = _newest_timestamp_hour(kafka, topic, list(holding))
-            if newest is not None and last is not None:
-                newest = max(newest, last)
+        newest = _newest_hour(kafka, topic, hours, windows, ends, holding)
         if newest is not None:
             out |= _span(max(first, newest + HOUR), sealed_until)
     return {h for h in out if first <= h < sealed_until and h not in entries}
+
+
+def _oldest_hour(
+    kafka: KafkaClient,
+    topic: str,
+    hours: list[datetime],
+    windows: Mapping[datetime, dict[int, tuple[int, int]] | None],
+    ends: Mapping[int, tuple[int, int, int]],
+    holding: Mapping[int, tuple[int, int, int]],
+    sealed_until: datetime,
+) -> datetime | None:
+    """The hour the topic's data starts at, when known: every hour before it holds no record
+    (None: not known)."""
+    head = windows[hours[0]] if hours else None
+    if head is not None and all(s == 0 for s, _ in head.values()):
+        return hours[0]
+    if not hours and all(hw == 0 for _, _, hw in ends.values()):
+        return sealed_until  # nothing was ever written
+    if holding and all(lo == 0 for lo, _, _ in holding.values()):
+        found = _oldest_record_hour(kafka, topic, list(holding))
+        if found is not None:
+            return min(found, hours[0]) if hours else found
+    return None
+
+
+def _newest_hour(
+    kafka: KafkaClient,
+    topic: str,
+    hours: list[datetime],
+    windows: Mapping[datetime, dict[int, tuple[int, int]] | None],
+    ends: Mapping[int, tuple[int, int, int]],
+    holding: Mapping[int, tuple[int, int, int]],
+) -> datetime | None:
+    """The hour the topic's data ends in, when known: every hour after it holds no record
+    (None: not known). Only meaningful while no transaction is open."""
+    last = hours[-1] if hours else None
+    tail = windows[last] if last is not None else None
+    if last is not None and tail is not None and _covers_log(tail, ends):
+        return last
+    if holding:
+        newest = _newest_timestamp_hour(kafka, topic, list(holding))
+        if newest is not None and last is not None:
+            newest = max(newest, last)
+        return newest
+    return None
 
 
 def _chained(a: dict[int, tuple[int, int]], b: dict[int, tuple[int, int]]) -> bool:

@@ -199,35 +199,7 @@ def rollback(
             invalidations=stale,
         )
         failpoint("rollback_intent_recorded")
-        try:
-            # One catalog commit: main moves back (only if it is still where it was when
-            # planned) and the property that commits the rollback's ledger rows is set.
-            with table.transaction() as tx:
-                ManageSnapshots(tx).rollback_to_snapshot(result.restored_snapshot).commit()
-                tx.set_properties(
-                    {
-                        ledger.rollback_property(rid): json.dumps(
-                            {
-                                "runs": sorted(runs),
-                                "snapshot_id": result.restored_snapshot,
-                                "snapshot_before": result.snapshot_before,
-                            }
-                        )
-                    }
-                )
-        except CommitFailedException as exc:
-            ledger.record_rollback_outcome(
-                catalog,
-                namespace,
-                result.table_name,
-                rollback_id=rid,
-                committed=False,
-                tables=[i.table_name for i in stale],
-            )
-            raise RollbackError(
-                f"{result.table_name} changed while rolling back ({exc}); nothing was changed "
-                "on it. Run the rollback again."
-            ) from exc
+        _commit_rollback(catalog, namespace, table, result, runs, rid, stale)
         failpoint("rollback_table_committed")
         ledger.record_rollback_outcome(
             catalog,
@@ -242,34 +214,87 @@ def rollback(
             invalidations=_invalidations(catalog, namespace, specs, result.table_name, undone, {}),
         )
         failpoint("rollback_ledger_committed")
-        audit.append(
-            catalog,
-            namespace,
-            audit.AuditRecord(
-                event="rollback",
-                outcome="rolled_back",
-                table_name=result.table_name,
-                run_id=run_id,
-                backfill_id=backfill_id,
-                launched_by=launched_by,
-                snapshot_before=result.snapshot_before,
-                snapshot_after=result.restored_snapshot,
-                detail=(
-                    f"undid runs {', '.join(result.undone_runs)}"
-                    + (
-                        f"; forced, also discarded {', '.join(result.discarded_later_runs)}"
-                        if result.discarded_later_runs
-                        else ""
-                    )
-                    + "".join(
-                        f"; {r.table_name.rsplit('.', 1)[-1]}: {len(r.hours)} hour(s) due again"
-                        for r in result.stale_readers
-                    )
-                ),
-            ),
-        )
+        _audit_rollback(catalog, namespace, result, run_id, backfill_id, launched_by)
         results.append(result)
     return results
+
+
+def _commit_rollback(
+    catalog: Catalog,
+    namespace: str,
+    table: Table,
+    result: RollbackResult,
+    runs: list[str],
+    rid: str,
+    stale: list[ledger.Invalidation],
+) -> None:
+    """One atomic catalog commit: main moves back (only if it is still where it was when
+    planned) and the property that commits the rollback's ledger rows is set. If the table
+    changed meanwhile, records the rollback as not committed and raises :class:`RollbackError`."""
+    try:
+        with table.transaction() as tx:
+            ManageSnapshots(tx).rollback_to_snapshot(result.restored_snapshot).commit()
+            tx.set_properties(
+                {
+                    ledger.rollback_property(rid): json.dumps(
+                        {
+                            "runs": sorted(runs),
+                            "snapshot_id": result.restored_snapshot,
+                            "snapshot_before": result.snapshot_before,
+                        }
+                    )
+                }
+            )
+    except CommitFailedException as exc:
+        ledger.record_rollback_outcome(
+            catalog,
+            namespace,
+            result.table_name,
+            rollback_id=rid,
+            committed=False,
+            tables=[i.table_name for i in stale],
+        )
+        raise RollbackError(
+            f"{result.table_name} changed while rolling back ({exc}); nothing was changed "
+            "on it. Run the rollback again."
+        ) from exc
+
+
+def _audit_rollback(
+    catalog: Catalog,
+    namespace: str,
+    result: RollbackResult,
+    run_id: str | None,
+    backfill_id: str | None,
+    launched_by: str,
+) -> None:
+    """Append the audit record of one table's committed rollback."""
+    audit.append(
+        catalog,
+        namespace,
+        audit.AuditRecord(
+            event="rollback",
+            outcome="rolled_back",
+            table_name=result.table_name,
+            run_id=run_id,
+            backfill_id=backfill_id,
+            launched_by=launched_by,
+            snapshot_before=result.snapshot_before,
+            snapshot_after=result.restored_snapshot,
+            detail=(
+                f"undid runs {', '.join(result.undone_runs)}"
+                + (
+                    f"; forced, also discarded {', '.join(result.discarded_later_runs)}"
+                    if result.discarded_later_runs
+                    else ""
+                )
+                + "".join(
+                    f"; {r.table_name.rsplit('.', 1)[-1]}: {len(r.hours)} hour(s) due again"
+                    for r in result.stale_readers
+                )
+            ),
+        ),
+    )
 
 
 def _plans(

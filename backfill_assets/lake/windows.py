@@ -418,25 +418,58 @@ def scan(
     decoding = None if decode is None else _Decoding(decode, decode_sample, decode_whole_up_to)
     ends = kafka.log_ends(topic)
     parts = sorted(ends)
-    cursors: dict[int, _Cursor] = {}
-    for p in parts:
-        fixed: dict[int, int] = {}
-        for i, t in enumerate(bounds):
-            here = published.get(t)
-            before = published.get(t - HOUR)
-            if here is not None and p in here:
-                fixed[i] = here[p][0]
-            elif before is not None and p in before:
-                fixed[i] = before[p][1]
-            elif here is not None or before is not None:
-                # Absent from a published hour: the partition did not exist when that hour
-                # was sealed, so all its records come after it (its chain starts at 0).
-                fixed[i] = 0
-        cursors[p] = _Cursor(p, bounds, fixed, decoding=decoding)
+    cursors = {
+        p: _Cursor(p, bounds, _fixed_bounds(p, bounds, published), decoding=decoding) for p in parts
+    }
     cells: dict[int, list[Cell | None]] = {p: [None] * (len(bounds) - 1) for p in parts}
+    _start_positions(kafka, topic, start, end, bounds[0], cursors, ends, archive)
+    _read_archived(topic, cursors, cells, ends, archive)
+    _read_kafka(kafka, topic, cursors, cells, ends, timeout_s)
+    _seal_idle(topic, cursors, kafka.log_ends(topic), now, seal_grace)
+    out = _assemble(bounds, cursors, cells)
+    _check_chain(topic, out, published)
+    windows = Windows(topic, start, end, out, {p: ends[p][0] for p in parts if ends[p][0] > 0})
+    if decoding is not None:
+        windows.content_sample = decoding.finish()
+        windows.decoded, windows.decode_s = True, decoding.seconds
+        windows.decoded_records = decoding.decoded
+    return windows
 
-    # Where reading starts: the fixed first boundary, or the broker's hint for it.
-    hints = _hints(kafka, topic, [p for p in parts if 0 not in cursors[p].fixed], bounds[0])
+
+def _fixed_bounds(
+    p: int, bounds: list[datetime], published: Mapping[datetime, Mapping[int, tuple[int, int]]]
+) -> dict[int, int]:
+    """Partition ``p``'s boundaries the ledger fixes (bound index -> offset)."""
+    fixed: dict[int, int] = {}
+    for i, t in enumerate(bounds):
+        here = published.get(t)
+        before = published.get(t - HOUR)
+        if here is not None and p in here:
+            fixed[i] = here[p][0]
+        elif before is not None and p in before:
+            fixed[i] = before[p][1]
+        elif here is not None or before is not None:
+            # Absent from a published hour: the partition did not exist when that hour
+            # was sealed, so all its records come after it (its chain starts at 0).
+            fixed[i] = 0
+    return fixed
+
+
+def _start_positions(
+    kafka: KafkaClient,
+    topic: str,
+    start: datetime,
+    end: datetime,
+    first: datetime,
+    cursors: dict[int, _Cursor],
+    ends: dict[int, tuple[int, int, int]],
+    archive: Archive | None,
+) -> None:
+    """Set where each partition's reading starts: the fixed first boundary, or the broker's
+    hint for ``first`` (or the archive's, below Kafka's log start). Raises :class:`WindowError`
+    before anything is read if some offsets the window may include are in neither."""
+    parts = sorted(cursors)
+    hints = _hints(kafka, topic, [p for p in parts if 0 not in cursors[p].fixed], first)
     missing: dict[int, tuple[int, int]] = {}
     for p in parts:
         low, lso, _hw = ends[p]
@@ -449,7 +482,7 @@ def scan(
             if low > 0 and cur.position <= low and archive is not None:
                 # Kafka no longer holds what precedes its log start: apply the same rule to
                 # the archive (committed records only, by the archiver's contract).
-                found = archive.first_offset_at(topic, p, _ms(bounds[0]), below=low)
+                found = archive.first_offset_at(topic, p, _ms(first), below=low)
                 if found is not None:
                     cur.position = found
         hole = _unknown(cur.position, low, archive.coverage(topic, p) if archive else [])
@@ -470,8 +503,18 @@ def scan(
             "complete.",
             missing,
         )
-    # Archived part first (offsets below the log start), then Kafka, each in offset order.
-    for p in parts:
+
+
+def _read_archived(
+    topic: str,
+    cursors: dict[int, _Cursor],
+    cells: dict[int, list[Cell | None]],
+    ends: dict[int, tuple[int, int, int]],
+    archive: Archive | None,
+) -> None:
+    """Feed the archived part of each partition (offsets below Kafka's log start), in offset
+    order; Kafka's part is read after it."""
+    for p in sorted(cursors):
         low = ends[p][0]
         cur = cursors[p]
         if cur.position < low and archive is not None:
@@ -481,57 +524,80 @@ def scan(
                     break
             if not cur.done:
                 cur.position = max(cur.position, low)
-    _read_kafka(kafka, topic, cursors, cells, ends, timeout_s)
 
-    # Partitions that reached the LSO without a record for the remaining boundaries.
-    grace_ok = [now - b >= seal_grace for b in bounds]
-    final = kafka.log_ends(topic)
-    for p in parts:
+
+def _seal_idle(
+    topic: str,
+    cursors: dict[int, _Cursor],
+    final: dict[int, tuple[int, int, int]],
+    now: datetime,
+    seal_grace: timedelta,
+) -> None:
+    """Set the boundaries of partitions that reached the LSO without a record for them (the
+    LSO, for an idle partition past the grace), or raise :class:`WindowNotSealed`."""
+    for p in sorted(cursors):
         cur = cursors[p]
+        bounds = cur.bounds
+        grace_ok = [now - b >= seal_grace for b in bounds]
         last = len(bounds) - 1
         for i in range(last + 1):
             if cur.bound(i) is not None:
                 continue
             _low, lso, hw = final[p]
-            if cur.position < lso:
-                raise WindowNotSealed(
-                    f"topic {topic!r} partition {p}: new records arrived while reading; "
-                    "retry the run"
-                )
-            if lso < hw:
-                raise WindowNotSealed(
-                    f"topic {topic!r} partition {p}: hour {bounds[max(i - 1, 0)].isoformat()} is "
-                    f"not sealed: no committed record at or after {bounds[i].isoformat()} yet, "
-                    f"and a transaction is open (last stable offset {lso} < high watermark "
-                    f"{hw}). The run wrote nothing; retry after the transaction ends."
-                )
-            if not grace_ok[i]:
-                raise WindowNotSealed(
-                    f"topic {topic!r} partition {p}: hour {bounds[max(i - 1, 0)].isoformat()} is "
-                    f"not sealed: no committed record at or after {bounds[i].isoformat()} yet "
-                    f"(partition ends at offset {lso}); it seals when one arrives, or "
-                    f"{int(seal_grace.total_seconds())} s after the hour ends if the partition "
-                    "stays idle (BACKFILL_SEAL_GRACE_S). The run wrote nothing; retry later."
-                )
+            _check_idle(topic, p, cur, i, lso, hw, grace_ok[i], seal_grace)
             cap = cur.cap(i)
             cur.found[i] = lso if cap is None else min(lso, cap)
+
+
+def _check_idle(
+    topic: str,
+    p: int,
+    cur: _Cursor,
+    i: int,
+    lso: int,
+    hw: int,
+    grace_ok: bool,
+    seal_grace: timedelta,
+) -> None:
+    """Raise :class:`WindowNotSealed` unless partition ``p``'s missing boundary ``i`` may be
+    its LSO: read up to it, no open transaction, and the grace after the hour has passed."""
+    bounds = cur.bounds
+    if cur.position < lso:
+        raise WindowNotSealed(
+            f"topic {topic!r} partition {p}: new records arrived while reading; retry the run"
+        )
+    if lso < hw:
+        raise WindowNotSealed(
+            f"topic {topic!r} partition {p}: hour {bounds[max(i - 1, 0)].isoformat()} is "
+            f"not sealed: no committed record at or after {bounds[i].isoformat()} yet, "
+            f"and a transaction is open (last stable offset {lso} < high watermark "
+            f"{hw}). The run wrote nothing; retry after the transaction ends."
+        )
+    if not grace_ok:
+        raise WindowNotSealed(
+            f"topic {topic!r} partition {p}: hour {bounds[max(i - 1, 0)].isoformat()} is "
+            f"not sealed: no committed record at or after {bounds[i].isoformat()} yet "
+            f"(partition ends at offset {lso}); it seals when one arrives, or "
+            f"{int(seal_grace.total_seconds())} s after the hour ends if the partition "
+            "stays idle (BACKFILL_SEAL_GRACE_S). The run wrote nothing; retry later."
+        )
+
+
+def _assemble(
+    bounds: list[datetime], cursors: dict[int, _Cursor], cells: dict[int, list[Cell | None]]
+) -> dict[datetime, dict[int, Cell]]:
+    """Per hour and partition, the cell with its final offset range (empty cells included)."""
     out: dict[datetime, dict[int, Cell]] = {}
     for i, hour in enumerate(bounds[:-1]):
         row: dict[int, Cell] = {}
-        for p in parts:
+        for p in sorted(cursors):
             s, e = cursors[p].bound(i), cursors[p].bound(i + 1)
             assert s is not None and e is not None
             cell = cells[p][i] or Cell(s, e)
             cell.start, cell.end = s, max(s, e)
             row[p] = cell
         out[hour] = row
-    _check_chain(topic, out, published)
-    windows = Windows(topic, start, end, out, {p: ends[p][0] for p in parts if ends[p][0] > 0})
-    if decoding is not None:
-        windows.content_sample = decoding.finish()
-        windows.decoded, windows.decode_s = True, decoding.seconds
-        windows.decoded_records = decoding.decoded
-    return windows
+    return out
 
 
 def _read_kafka(

@@ -254,62 +254,8 @@ class Settings:
         """Read settings from ``environ`` (default: the process environment)."""
         env = dict(os.environ if environ is None else environ)
         home = Path(env.get("BACKFILL_HOME", str(DEFAULT_HOME))).resolve()
-        port = _int(env, "BACKFILL_KAFKA_PORT", 19092)
-        controller_port = _int(env, "BACKFILL_KAFKA_CONTROLLER_PORT", port + 1)
-        if controller_port == port:
-            raise SettingsError(
-                "BACKFILL_KAFKA_CONTROLLER_PORT must differ from BACKFILL_KAFKA_PORT "
-                f"(both are {port})"
-            )
-        protocol = env.get("BACKFILL_KAFKA_SECURITY_PROTOCOL", "PLAINTEXT").upper()
-        _choice("BACKFILL_KAFKA_SECURITY_PROTOCOL", protocol, _SECURITY_PROTOCOLS)
-        mechanism = env.get("BACKFILL_KAFKA_SASL_MECHANISM")
-        if mechanism is not None:
-            mechanism = mechanism.upper()
-            _choice("BACKFILL_KAFKA_SASL_MECHANISM", mechanism, _SASL_MECHANISMS)
-        if protocol.startswith("SASL") and mechanism is None:
-            raise SettingsError(
-                f"BACKFILL_KAFKA_SECURITY_PROTOCOL={protocol} needs BACKFILL_KAFKA_SASL_MECHANISM "
-                f"(one of {', '.join(_SASL_MECHANISMS)})"
-            )
-        kafka = KafkaSettings(
-            bootstrap_servers=env.get("BACKFILL_KAFKA_BOOTSTRAP", f"127.0.0.1:{port}"),
-            security_protocol=protocol,
-            sasl_mechanism=mechanism,
-            sasl_username=env.get("BACKFILL_KAFKA_SASL_USERNAME"),
-            sasl_password=env.get("BACKFILL_KAFKA_SASL_PASSWORD"),
-            ssl_ca_location=env.get("BACKFILL_KAFKA_SSL_CA_LOCATION"),
-            local_port=port,
-            local_controller_port=controller_port,
-            local_heap=env.get("BACKFILL_KAFKA_HEAP", "512m"),
-        )
-        kind = env.get("BACKFILL_CATALOG_KIND", "sql").lower()
-        _choice("BACKFILL_CATALOG_KIND", kind, ("sql", "rest"))
-        default_uri = f"sqlite:///{home / 'catalog' / 'catalog.db'}"
-        uri = env.get("BACKFILL_CATALOG_URI", default_uri if kind == "sql" else "")
-        if not uri:
-            raise SettingsError(
-                "BACKFILL_CATALOG_KIND=rest needs BACKFILL_CATALOG_URI "
-                "(the REST catalog's base URL)"
-            )
-        if kind == "sql" and not uri.startswith(("sqlite:///", "postgresql")):
-            raise SettingsError(
-                f"BACKFILL_CATALOG_URI={uri!r} is not a SQL catalog URI: use sqlite:///ABS/PATH.db "
-                "or postgresql+psycopg2://HOST:PORT/DB"
-            )
-        catalog = CatalogSettings(
-            name=env.get("BACKFILL_CATALOG_NAME", "lake"),
-            kind=kind,  # type: ignore[arg-type]  # validated by _choice above
-            uri=uri,
-            warehouse=env.get("BACKFILL_WAREHOUSE", (home / "warehouse").as_uri()),
-            namespace=env.get("BACKFILL_NAMESPACE", "lakehouse"),
-            jdbc_user=env.get("BACKFILL_CATALOG_JDBC_USER"),
-            jdbc_password=env.get("BACKFILL_CATALOG_JDBC_PASSWORD"),
-            s3_endpoint=env.get("BACKFILL_S3_ENDPOINT"),
-            s3_access_key_id=env.get("AWS_ACCESS_KEY_ID"),
-            s3_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
-            s3_region=env.get("AWS_REGION"),
-        )
+        kafka = _kafka_settings(env)
+        catalog = _catalog_settings(env, home)
         throttle = _int(env, "BACKFILL_REPLAY_MAX_RECORDS_PER_S", 0, zero_ok=True)
         return cls(
             home=home,
@@ -459,6 +405,68 @@ def _memory(env: Mapping[str, str], name: str, default: str | None) -> str | Non
             f"{name}={raw!r} is not a memory size; use a number with a unit, e.g. 512m or 4g"
         )
     return raw.lower()
+
+
+def _kafka_settings(env: Mapping[str, str]) -> KafkaSettings:
+    """The Kafka settings of ``env`` (BACKFILL_KAFKA_*), validated."""
+    port = _int(env, "BACKFILL_KAFKA_PORT", 19092)
+    controller_port = _int(env, "BACKFILL_KAFKA_CONTROLLER_PORT", port + 1)
+    if controller_port == port:
+        raise SettingsError(
+            f"BACKFILL_KAFKA_CONTROLLER_PORT must differ from BACKFILL_KAFKA_PORT (both are {port})"
+        )
+    protocol = env.get("BACKFILL_KAFKA_SECURITY_PROTOCOL", "PLAINTEXT").upper()
+    _choice("BACKFILL_KAFKA_SECURITY_PROTOCOL", protocol, _SECURITY_PROTOCOLS)
+    mechanism = env.get("BACKFILL_KAFKA_SASL_MECHANISM")
+    if mechanism is not None:
+        mechanism = mechanism.upper()
+        _choice("BACKFILL_KAFKA_SASL_MECHANISM", mechanism, _SASL_MECHANISMS)
+    if protocol.startswith("SASL") and mechanism is None:
+        raise SettingsError(
+            f"BACKFILL_KAFKA_SECURITY_PROTOCOL={protocol} needs BACKFILL_KAFKA_SASL_MECHANISM "
+            f"(one of {', '.join(_SASL_MECHANISMS)})"
+        )
+    return KafkaSettings(
+        bootstrap_servers=env.get("BACKFILL_KAFKA_BOOTSTRAP", f"127.0.0.1:{port}"),
+        security_protocol=protocol,
+        sasl_mechanism=mechanism,
+        sasl_username=env.get("BACKFILL_KAFKA_SASL_USERNAME"),
+        sasl_password=env.get("BACKFILL_KAFKA_SASL_PASSWORD"),
+        ssl_ca_location=env.get("BACKFILL_KAFKA_SSL_CA_LOCATION"),
+        local_port=port,
+        local_controller_port=controller_port,
+        local_heap=env.get("BACKFILL_KAFKA_HEAP", "512m"),
+    )
+
+
+def _catalog_settings(env: Mapping[str, str], home: Path) -> CatalogSettings:
+    """The catalog settings of ``env`` (BACKFILL_CATALOG_*, BACKFILL_WAREHOUSE, S3), validated."""
+    kind = env.get("BACKFILL_CATALOG_KIND", "sql").lower()
+    _choice("BACKFILL_CATALOG_KIND", kind, ("sql", "rest"))
+    default_uri = f"sqlite:///{home / 'catalog' / 'catalog.db'}"
+    uri = env.get("BACKFILL_CATALOG_URI", default_uri if kind == "sql" else "")
+    if not uri:
+        raise SettingsError(
+            "BACKFILL_CATALOG_KIND=rest needs BACKFILL_CATALOG_URI (the REST catalog's base URL)"
+        )
+    if kind == "sql" and not uri.startswith(("sqlite:///", "postgresql")):
+        raise SettingsError(
+            f"BACKFILL_CATALOG_URI={uri!r} is not a SQL catalog URI: use sqlite:///ABS/PATH.db "
+            "or postgresql+psycopg2://HOST:PORT/DB"
+        )
+    return CatalogSettings(
+        name=env.get("BACKFILL_CATALOG_NAME", "lake"),
+        kind=kind,  # type: ignore[arg-type]  # validated by _choice above
+        uri=uri,
+        warehouse=env.get("BACKFILL_WAREHOUSE", (home / "warehouse").as_uri()),
+        namespace=env.get("BACKFILL_NAMESPACE", "lakehouse"),
+        jdbc_user=env.get("BACKFILL_CATALOG_JDBC_USER"),
+        jdbc_password=env.get("BACKFILL_CATALOG_JDBC_PASSWORD"),
+        s3_endpoint=env.get("BACKFILL_S3_ENDPOINT"),
+        s3_access_key_id=env.get("AWS_ACCESS_KEY_ID"),
+        s3_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
+        s3_region=env.get("AWS_REGION"),
+    )
 
 
 def _spark_conf(env: Mapping[str, str]) -> dict[str, str]:
