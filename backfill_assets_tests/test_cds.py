@@ -48,7 +48,8 @@ def test_the_archive_goes_ahead_of_the_settings_own_driver_options(
     )
     options = spark.spark_config(own)["spark.driver.extraJavaOptions"]
     heap = f"-Xms{settings.spark_driver_memory}"
-    assert options == f"{cds.java_options(settings)} {heap} {spark.JIT_OPTIONS} -Dmine=1"
+    logs = spark.log_options(settings)  # the driver's log4j config, ahead of the archive
+    assert options == f"{logs} {cds.java_options(settings)} {heap} {spark.JIT_OPTIONS} -Dmine=1"
 
 
 def test_the_archive_is_named_by_what_it_depends_on(settings: Settings) -> None:

@@ -425,16 +425,21 @@ def stale(catalog: Catalog, namespace: str, table_name: str) -> dict[datetime, s
     return {h: reason for h, (_, reason) in marks.items() if h not in live}
 
 
-def publishes(catalog: Catalog, namespace: str, table_name: str) -> list[Entry]:
+def publishes(
+    catalog: Catalog, namespace: str, table_name: str, *, include_stale: bool = False
+) -> list[Entry]:
     """Every publish of ``table_name`` not undone by a rollback, nor made stale by the
-    rollback of a table it reads, oldest commit first."""
-    return _entries(_rows(catalog, namespace, table_name), catalog)
+    rollback of a table it reads, oldest commit first. ``include_stale``: the stale ones too,
+    i.e. every publish whose rows are still on main (what a rollback of the table undoes)."""
+    return _entries(_rows(catalog, namespace, table_name), catalog, include_stale)
 
 
-def _entries(rows: list[dict[str, Any]], catalog: Catalog) -> list[Entry]:
+def _entries(
+    rows: list[dict[str, Any]], catalog: Catalog, include_stale: bool = False
+) -> list[Entry]:
     committed = committed_rollbacks(catalog, rows)
     undone = undone_runs(rows, committed)
-    marks = stale_hours(rows, committed)
+    marks = {} if include_stale else stale_hours(rows, committed)
     out = []
     for row in rows:
         if row["event"] != "publish" or row["run_id"] in undone or row["hour"] is None:

@@ -459,12 +459,13 @@ def _plan(
     current = table.metadata.current_snapshot_id
     if current is None:
         raise RollbackError(f"{table_name} has no snapshot on main; nothing to roll back")
+    # What is on main: a publish a reader's invalidation made stale still has its rows there.
     if sync:
         ledger.sync_from_history(catalog, namespace, table_name)
-        live = ledger.publishes(catalog, namespace, table_name)
+        live = ledger.publishes(catalog, namespace, table_name, include_stale=True)
     else:
         live = sorted(
-            ledger.publishes(catalog, namespace, table_name)
+            ledger.publishes(catalog, namespace, table_name, include_stale=True)
             + _unrecorded(catalog, namespace, table_name, table),
             key=lambda e: (e.sequence_number, e.recorded_at),
         )
