@@ -60,7 +60,8 @@ def _p(hour: int) -> str:
 def _spec(topic: str) -> TopicSpec:
     from backfill_assets.defs.definitions import SPECS
 
-    return renamed(SPECS[0], topic=topic)
+    # Partitions from the first hour of data (late events' earlier event hours are built too).
+    return renamed(SPECS[0], topic=topic, partition_start=START)
 
 
 @dataclasses.dataclass
