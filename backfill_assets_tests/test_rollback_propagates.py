@@ -190,7 +190,10 @@ def test_rollback_of_raw_hours_makes_every_reader_due(
         assert world.covered(table) == everything - set(want_declared), table
         reasons = ledger.stale(world.cat, world.ns, world.full(table))
         assert set(reasons) == set(want_declared)
-        assert f"{spec.raw_table} rows of run(s) {undone_run}, rolled back" in reasons[_at(5)]
+        assert (
+            f"of table {spec.raw_table} undid rows it read (run(s) {undone_run})"
+            in (reasons[_at(5)])
+        )
 
     # What the sensors see: the raw and current gaps now; each declared hour waits until the
     # raw hours it reads are published again, then is due.

@@ -16,7 +16,7 @@ from backfill_assets.defs.archiver import archive_asset_key
 from backfill_assets.defs.partitions import kafka_hours
 from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
 from backfill_assets.errors import KafkaClientError
-from backfill_assets.lake import audit, checks, derived, ledger, publish, replay, wap
+from backfill_assets.lake import audit, checks, derived, identity, ledger, publish, replay, wap
 from backfill_assets.spec import declared, versions
 from backfill_assets.spec.model import CURRENT_META_COLUMNS, ColumnSpec, TableSpec, TopicSpec
 from backfill_assets.stack.catalog import CatalogClient
@@ -192,6 +192,8 @@ def _failure(
 ) -> BaseException:
     """What the run fails with when nothing was published."""
     if isinstance(exc, publish.PublishRefused):
+        if isinstance(exc.error, identity.TopicReplaced):  # its message says it all
+            return dg.Failure(description=str(exc.error))
         return exc.error
     failed = [r for r in exc.results if not r.passed]
     return dg.Failure(
@@ -256,7 +258,8 @@ def _audit_failures(
             )
         except Exception as audit_exc:
             context.log.error(f"could not write the audit row for this failure: {audit_exc}")
-        if isinstance(exc, KafkaClientError):  # Kafka said why: its message, no traceback
+        # Kafka said why, or the topic is a new log: the message, no traceback
+        if isinstance(exc, (KafkaClientError, identity.TopicReplaced)):
             raise dg.Failure(description=str(exc)) from None
         raise
 

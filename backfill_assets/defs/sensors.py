@@ -14,6 +14,11 @@ not requested again. Every publish and every rollback of any table changes the l
 (main's snapshot id does not: a rollback restores an earlier one), so a gap that reappears
 after a rollback is requested again.
 
+A topic deleted and recreated (or failed over to another cluster) is a new log the ledger's
+windows do not describe (:mod:`backfill_assets.lake.identity`): no raw or current hour of it is
+requested, on any tick, until ``backfill-assets adopt`` adopts it; every tick says so in its
+log and skip reason. Declared tables over hours already published are still requested.
+
 A request whose run failed is retried with backoff (``retry_backoff``, doubling per failure up
 to ``RETRY_BACKOFF_MAX``) and reported in the sensor's log and skip reason. Its hours are
 isolated from the others: a failed range is retried as its two halves, and a half that fails is
@@ -112,6 +117,8 @@ def build_gap_sensor(
         ns = iceberg.settings.catalog.namespace
         cat = iceberg.catalog()
         found = detect.find(kafka.client(), cat, ns, spec, specs=specs)
+        if found.replaced is not None:  # every tick, until the new log is adopted
+            context.log.warning(f"REFUSED: {found.replaced}")
         state = ledger.generation(cat, ns)
         raw_and_current = set(found.raw_gaps)
         only_current = set(found.current_gaps) - raw_and_current
@@ -144,6 +151,7 @@ def build_gap_sensor(
             found.retention_risks,
             retry_backoff,
             reports,
+            refused=str(found.replaced) if found.replaced is not None else None,
         )
 
     return _gaps
@@ -235,6 +243,7 @@ def _requests(
     risks: list[dict[str, object]] | None = None,
     retry_backoff: timedelta = RETRY_BACKOFF,
     reports: list[dg.AssetMaterialization] | None = None,
+    refused: str | None = None,
 ) -> dg.SensorResult | dg.SkipReason:
     seen: list[str] = json.loads(context.cursor) if context.cursor else []
     history = _history(context.instance, sensor)
@@ -282,6 +291,8 @@ def _requests(
     if requests:
         return dg.SensorResult(run_requests=requests, cursor=cursor, asset_events=reports or [])
     reason = "nothing uncovered, or every gap is already requested"
+    if refused is not None:
+        reason = f"REFUSED: {refused}; otherwise {reason}"
     if waiting:
         reason += "; FAILED, retried with backoff: " + "; ".join(waiting)
     if risks:

@@ -31,7 +31,7 @@ from typing import Any
 
 from pyiceberg.catalog import Catalog
 
-from backfill_assets.lake import ledger
+from backfill_assets.lake import identity, ledger
 from backfill_assets.spec import declared
 from backfill_assets.spec.model import TableSpec, TopicSpec
 from backfill_assets.stack.kafka import KafkaClient
@@ -72,6 +72,12 @@ class Findings:
     tables_due: dict[str, dict[datetime, str]] = field(default_factory=dict)
     retention_risks: list[dict[str, Any]] = field(default_factory=list)
     closed_until: datetime | None = None
+    # Kafka's log of the topic is not the ledger's (deleted and recreated, or failed over):
+    # no raw or current hour is compared until the new log is adopted
+    replaced: identity.TopicReplaced | None = None
+    # Hours the current log holds records for that are covered by publishes of an older log
+    # (adopted since): they are not re-read unless those publishes are rolled back
+    shadowed: dict[datetime, ledger.Entry] = field(default_factory=dict)
 
 
 def published(catalog: Catalog, identifier: str) -> list[Publish]:
@@ -400,11 +406,8 @@ def find(
     last_closed = now.replace(minute=0, second=0, microsecond=0)
     findings = Findings(closed_until=last_closed)
     # Records newer than the last closed hour wait until their hour closes.
-    raw_entries = ledger.coverage(
-        catalog, namespace, f"{catalog.name}.{namespace}.{spec.raw_table}"
-    )
-    in_kafka = kafka_hours(
-        kafka, spec.topic, spec.partition_start, last_closed, _windows(raw_entries)
+    raw_entries, in_kafka, findings.replaced, findings.shadowed = _raw_side(
+        kafka, catalog, namespace, spec, last_closed
     )
     raw_pub = {h: _publish(e) for h, e in raw_entries.items()}
     cur_pub = covered_hours(published(catalog, f"{namespace}.{spec.current_table}"))
@@ -416,16 +419,19 @@ def find(
     coverage: dict[str, dict[datetime, Publish]] = {}
     raw_coverage = {spec.topic: raw_entries}
 
+    logs: dict[str, ledger.Log] = {}
+
     def raw_of(topic: str) -> dict[datetime, ledger.Entry]:
         if topic not in raw_coverage:
             raw = f"{catalog.name}.{namespace}.raw_{topic}"
-            raw_coverage[topic] = ledger.coverage(catalog, namespace, raw)
+            raw_coverage[topic], logs[topic] = ledger.log_coverage(catalog, namespace, raw)
         return raw_coverage[topic]
 
     def expected(topic: str) -> dict[datetime, dict[int, tuple[int, int]]]:
         if topic not in by_topic:
+            mine = {h: e for h, e in raw_of(topic).items() if logs[topic].holds(e)}
             by_topic[topic] = kafka_hours(
-                kafka, topic, spec.partition_start, last_closed, _windows(raw_of(topic))
+                kafka, topic, spec.partition_start, last_closed, _windows(mine)
             )
         return by_topic[topic]
 
@@ -449,10 +455,39 @@ def find(
                 last_closed,
                 full,
             )
-    findings.retention_risks = _retention_risks(
-        kafka, spec.topic, in_kafka, raw_pub, now, retention_horizon
-    )
+    if findings.replaced is None:
+        findings.retention_risks = _retention_risks(
+            kafka, spec.topic, in_kafka, raw_pub, now, retention_horizon
+        )
     return findings
+
+
+def _raw_side(
+    kafka: KafkaClient, catalog: Catalog, namespace: str, spec: TopicSpec, last_closed: datetime
+) -> tuple[
+    dict[datetime, ledger.Entry],
+    dict[datetime, dict[int, tuple[int, int]]],
+    identity.TopicReplaced | None,
+    dict[datetime, ledger.Entry],
+]:
+    """The raw table's live publishes, the Kafka hours holding records (with their offsets),
+    the refusal when Kafka's log is not the ledger's, and the hours of the current log covered
+    by publishes of an older one. When refused, Kafka is not read: the hours "holding records"
+    are the published ones, so only what reads published hours can be requested."""
+    raw = f"{catalog.name}.{namespace}.{spec.raw_table}"
+    entries, log = ledger.log_coverage(catalog, namespace, raw)
+    refused = identity.compare(spec.topic, log, kafka.topic_identity(spec.topic))
+    if refused is not None:
+        held = {
+            h: w
+            for h, w in _windows(entries).items()
+            if spec.partition_start <= h < last_closed and any(e > s for s, e in w.values())
+        }
+        return entries, held, refused, {}
+    mine = {h: e for h, e in entries.items() if log.holds(e)}
+    in_kafka = kafka_hours(kafka, spec.topic, spec.partition_start, last_closed, _windows(mine))
+    shadowed = {h: e for h, e in entries.items() if h in in_kafka and not log.holds(e)}
+    return entries, in_kafka, None, shadowed
 
 
 def _candidates(

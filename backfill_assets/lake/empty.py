@@ -39,7 +39,7 @@ from datetime import UTC, datetime, timedelta
 
 from pyiceberg.catalog import Catalog
 
-from backfill_assets.lake import ledger
+from backfill_assets.lake import identity, ledger
 from backfill_assets.spec import declared
 from backfill_assets.spec.model import TableSpec, TopicSpec
 from backfill_assets.stack.kafka import KafkaClient
@@ -242,17 +242,30 @@ def find(
     raw_entries: dict[str, dict[datetime, ledger.Entry]] = {}
     empty_kafka: dict[str, set[datetime]] = {}
 
+    logs: dict[str, ledger.Log] = {}
+
     def entries(topic: str) -> dict[datetime, ledger.Entry]:
         if topic not in raw_entries:
             raw = f"{catalog.name}.{namespace}.{by_topic[topic].raw_table}"
-            raw_entries[topic] = ledger.coverage(catalog, namespace, raw)
+            raw_entries[topic], logs[topic] = ledger.log_coverage(catalog, namespace, raw)
         return raw_entries[topic]
 
     def empty(topic: str) -> set[datetime]:
         if topic not in empty_kafka:
-            start = by_topic[topic].partition_start
-            empty_kafka[topic] = kafka_hours(kafka, topic, entries(topic), start, sealed_until)
+            empty_kafka[topic] = _log_hours(kafka, topic, entries(topic), logs[topic])
         return empty_kafka[topic]
+
+    def _log_hours(
+        kafka: KafkaClient, topic: str, live: dict[datetime, ledger.Entry], log: ledger.Log
+    ) -> set[datetime]:
+        """Known-empty Kafka hours of the log Kafka holds now: none while it is not the
+        ledger's (a recreated topic: its hours are not compared until adopted); publishes of
+        an older log fix no window of it, and their hours are not reported."""
+        if identity.compare(topic, log, kafka.topic_identity(topic)) is not None:
+            return set()
+        mine = {h: e for h, e in live.items() if log.holds(e)}
+        start = by_topic[topic].partition_start
+        return kafka_hours(kafka, topic, mine, start, sealed_until) - set(live)
 
     out = EmptyHours(kafka=empty(spec.topic))
     known = declared.relations(every)

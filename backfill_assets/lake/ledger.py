@@ -12,6 +12,12 @@ each input it read (``reads``: the input's main snapshot and its sequence number
 is judged by lineage, never by clocks. A ``rollback`` row lists the runs a rollback undid.
 What a table covers now is, per hour, the newest publish whose run was not undone.
 
+Raw publishes also record which log they read: the topic id and the cluster id
+(:class:`~backfill_assets.stack.kafka.TopicIdentity`). The ledger's current log is the one the
+newest ``adopt`` row names (``backfill-assets adopt``), else the one its publishes name; its
+offsets are the only ones windows and gap detection chain on (:func:`current_log`). Rows
+without an identity (written before it was kept) count as the current log until an ``adopt``.
+
 A ledger created by an older version lacks the newer (nullable) columns: the first append adds
 them in place (a schema update, no data file rewritten), and its old rows read them as null.
 
@@ -34,6 +40,8 @@ import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException, NoSuchTableError
 from pyiceberg.table import Table
+
+from backfill_assets.stack.kafka import TopicIdentity
 
 LEDGER_TABLE = "backfill_ledger"
 SUMMARY_PREFIX = "backfill."
@@ -60,6 +68,9 @@ SCHEMA = pa.schema(
         pa.field("superseded_hours", pa.string()),
         # derived tables: JSON {input table: {"snapshot_id": n, "sequence_number": n}}
         pa.field("reads", pa.string()),
+        # raw publish and adopt rows: the topic's log (Kafka topic id and cluster id)
+        pa.field("topic_id", pa.string()),
+        pa.field("cluster_id", pa.string()),
     ]
 )
 # The table property a rollback sets in the same catalog commit that moves main back: the
@@ -87,6 +98,10 @@ class Entry:
     # Derived tables: input table (``catalog.namespace.table``) -> the sequence number of the
     # input's main snapshot the run read; None when unknown (rows written before it was kept).
     reads: dict[str, int] | None = None
+    # Raw tables: the log the hour was read from; None when unknown (rows written before it
+    # was kept, publishes recovered from a summary without it).
+    topic_id: str | None = None
+    cluster_id: str | None = None
 
     @property
     def committed_ms(self) -> int:
@@ -168,6 +183,7 @@ def record_publish(
     superseded_hours: Mapping[datetime, Iterable[datetime]] | None = None,
     reads: Mapping[str, tuple[int, int]] | None = None,
     recorded_at: datetime | None = None,
+    identity: TopicIdentity | None = None,
 ) -> None:
     """One ``publish`` row per hour, in one commit.
 
@@ -201,9 +217,67 @@ def record_publish(
                 if superseded_hours is None
                 else _hours_json(superseded_hours.get(hour, ())),
                 "reads": None if reads is None else reads_json(reads),
+                "topic_id": identity.topic_id if identity else None,
+                "cluster_id": identity.cluster_id if identity else None,
             }
         )
     _append(catalog, namespace, rows)
+
+
+def record_adopt(
+    catalog: Catalog, namespace: str, table_name: str, identity: TopicIdentity, *, by: str
+) -> None:
+    """An ``adopt`` row: from now on ``table_name`` (a raw table) reads the log ``identity``
+    names; publishes of other logs keep covering their hours but fix no window any more."""
+    _append(
+        catalog,
+        namespace,
+        [
+            _row(
+                "adopt",
+                table_name,
+                datetime.now(UTC),
+                run_id=by,
+                topic_id=identity.topic_id,
+                cluster_id=identity.cluster_id,
+            )
+        ],
+    )
+
+
+@dataclass(frozen=True)
+class Log:
+    """The log a raw table's ledger reads now: ``identity`` None when it knows none (no row
+    recorded one); ``adopted`` when an ``adopt`` row named it (rows without an identity are
+    then of an older log)."""
+
+    identity: TopicIdentity | None
+    adopted: bool = False
+
+    def holds(self, entry: Entry) -> bool:
+        """Whether ``entry`` was read from this log."""
+        if entry.topic_id is None:
+            return not self.adopted
+        return self.identity == TopicIdentity(entry.topic_id, entry.cluster_id or "")
+
+
+def log_of(rows: list[dict[str, Any]]) -> Log:
+    """The current log (:class:`Log`) among a table's ledger ``rows``: the newest ``adopt``
+    row's, else the newest publish's that recorded one."""
+    adopts = [r for r in rows if r["event"] == "adopt" and r.get("topic_id")]
+    if adopts:
+        newest = max(adopts, key=lambda r: r["recorded_at"])
+        return Log(TopicIdentity(newest["topic_id"], newest.get("cluster_id") or ""), True)
+    known = [r for r in rows if r["event"] == "publish" and r.get("topic_id")]
+    if not known:
+        return Log(None)
+    newest = max(known, key=lambda r: (r["sequence_number"] or 0, r["recorded_at"]))
+    return Log(TopicIdentity(newest["topic_id"], newest.get("cluster_id") or ""))
+
+
+def current_log(catalog: Catalog, namespace: str, table_name: str) -> Log:
+    """The log ``table_name``'s ledger reads now (:func:`log_of`)."""
+    return log_of(_rows(catalog, namespace, table_name))
 
 
 def _hours_json(hours: Iterable[datetime]) -> str:
@@ -410,8 +484,8 @@ def stale_hours(rows: list[dict[str, Any]], committed: set[str]) -> dict[datetim
             runs = ", ".join(json.loads(row["undone_runs"] or "[]"))
             out[hour] = (
                 seq,
-                f"built from {row['source_table'].rsplit('.', 1)[-1]} rows of run(s) {runs}, "
-                f"rolled back (rollback {row['rollback_id']})",
+                f"rollback {row['rollback_id']} of table "
+                f"{row['source_table'].rsplit('.', 1)[-1]} undid rows it read (run(s) {runs})",
             )
     return out
 
@@ -464,6 +538,8 @@ def _entries(
                 event_hours=_event_hours(row.get("event_hours")),
                 superseded_hours=_hours(row.get("superseded_hours")),
                 reads=parse_reads(row.get("reads")),
+                topic_id=row.get("topic_id"),
+                cluster_id=row.get("cluster_id"),
             )
         )
     return sorted(out, key=lambda e: (e.sequence_number, e.recorded_at))
@@ -477,14 +553,25 @@ def coverage(catalog: Catalog, namespace: str, table_name: str) -> dict[datetime
     return out
 
 
+def log_coverage(
+    catalog: Catalog, namespace: str, table_name: str
+) -> tuple[dict[datetime, Entry], Log]:
+    """:func:`coverage` and :func:`current_log` of ``table_name`` from one read of the ledger."""
+    rows = _rows(catalog, namespace, table_name)
+    out: dict[datetime, Entry] = {}
+    for entry in _entries(rows, catalog):
+        out[entry.hour] = entry
+    return out, log_of(rows)
+
+
 def published_offsets(
     catalog: Catalog, namespace: str, table_name: str
 ) -> dict[datetime, dict[int, tuple[int, int]]]:
-    """Hour -> partition -> (start, end) of every covered hour of a raw table."""
+    """Hour -> partition -> (start, end) of every covered hour of a raw table read from its
+    current log (:func:`current_log`): offsets of another log fix no window of this one."""
+    out, log = log_coverage(catalog, namespace, table_name)
     return {
-        hour: dict(e.offsets)
-        for hour, e in coverage(catalog, namespace, table_name).items()
-        if e.offsets is not None
+        hour: dict(e.offsets) for hour, e in out.items() if e.offsets is not None and log.holds(e)
     }
 
 
@@ -535,6 +622,7 @@ def sync_from_history(catalog: Catalog, namespace: str, table_name: str) -> list
                     offsets=offsets,
                     reads=_summary_reads(props.get(SUMMARY_PREFIX + "reads")),
                     recorded_at=datetime.fromtimestamp(snap.timestamp_ms / 1000, UTC),
+                    identity=_summary_identity(props),
                 )
                 added.append(run_id)
         parent = snap.parent_snapshot_id
@@ -582,6 +670,14 @@ def _sync_rollbacks(
         tables = dict.fromkeys([table_name, *(r["table_name"] for r in mine)])
         out += [_row("rollback_committed", name, now, rollback_id=rid) for name in tables]
     _append(catalog, namespace, out)
+
+
+def _summary_identity(props: Any) -> TopicIdentity | None:
+    """The log a raw publish read, from its snapshot summary (None: not recorded)."""
+    topic_id = props.get(SUMMARY_PREFIX + "topic-id")
+    if not topic_id:
+        return None
+    return TopicIdentity(topic_id, props.get(SUMMARY_PREFIX + "cluster-id") or "")
 
 
 def _summary_reads(value: str | None) -> dict[str, tuple[int, int]] | None:

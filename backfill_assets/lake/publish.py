@@ -23,12 +23,13 @@ from datetime import datetime
 from typing import Any
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.lake import audit, checks, derived, ledger, replay, wap, windows
+from backfill_assets.lake import audit, checks, derived, identity, ledger, replay, wap, windows
 from backfill_assets.lake.checks import CheckOutcome
 from backfill_assets.lake.replay import ReplayOutcome
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.catalog import CatalogClient
 from backfill_assets.stack.faults import failpoint
+from backfill_assets.stack.kafka import KafkaClient, TopicIdentity
 
 Rebase = Callable[[int], tuple[wap.Branch, list[CheckOutcome]]]
 
@@ -55,6 +56,10 @@ class PublishRequest:
     ledger_superseded_hours: dict[datetime, set[datetime]] | None = None
     # derived: the publish of each input the run read, (snapshot id, sequence number)
     ledger_reads: dict[str, tuple[int, int]] | None = None
+    # raw: the topic and the log its windows were read from, checked again right before the
+    # commit (a topic recreated meanwhile is refused) and recorded with the ledger rows
+    topic: str | None = None
+    identity: TopicIdentity | None = None
 
 
 @dataclass
@@ -147,6 +152,8 @@ def raw_request(
             for h, late in outcome.event_hours.items()
         },
         ledger_superseded_hours=superseded,
+        topic=spec.topic,
+        identity=contract.identity,
     )
 
 
@@ -197,6 +204,7 @@ def _attempt(
         }
         failpoint("checks_passed")
         try:
+            _check_identity(tables, request)
             _check_neighbours(tables, request)
             return branch, results, wap.publish(session, branch, summary, request.window), None
         except wap.MainMoved as exc:
@@ -209,9 +217,25 @@ def _attempt(
             on_retry(f"{exc} (attempt {attempt + 2} of {attempts})")
             branch, results = request.rebase(attempt + 1)
             record["snapshot_before"] = branch.main_before
-        except wap.PublishError as exc:
+        except (wap.PublishError, identity.TopicReplaced) as exc:
             return branch, results, None, exc
     return branch, results, None, None
+
+
+def _check_identity(tables: CatalogClient, request: PublishRequest) -> None:
+    """Right before each publish attempt: the log the run's windows were read from must still
+    be Kafka's log of the topic and the ledger's (a topic deleted and recreated, or failed
+    over, while the run ran raises :class:`~backfill_assets.lake.identity.TopicReplaced`)."""
+    if request.topic is None or request.identity is None:
+        return
+    identity.still_same(
+        KafkaClient(tables.settings),
+        tables.catalog(),
+        tables.settings.catalog.namespace,
+        request.topic,
+        request.table,
+        request.identity,
+    )
 
 
 class NeighbourMoved(wap.PublishError):
@@ -270,6 +294,7 @@ def _record_publish(tables: CatalogClient, request: PublishRequest, snapshot: in
         event_hours=request.ledger_event_hours,
         superseded_hours=request.ledger_superseded_hours,
         reads=request.ledger_reads,
+        identity=request.identity,
     )
     return int(total) if total is not None else None
 

@@ -30,7 +30,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.lake import ledger
+from backfill_assets.lake import identity, ledger
 from backfill_assets.lake.archive import Archive
 from backfill_assets.lake.content import RecordDecoder
 from backfill_assets.lake.wap import SUMMARY_PREFIX, Branch, open_branch, ref_sql
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from backfill_assets.spec.transforms import StrictReader
     from backfill_assets.stack.catalog import CatalogClient
-    from backfill_assets.stack.kafka import KafkaClient
+    from backfill_assets.stack.kafka import KafkaClient, TopicIdentity
     from backfill_assets.stack.settings import Settings
 
 KAFKA_COLUMNS = (
@@ -114,6 +114,8 @@ class OffsetContract:
     kafka_start: dict[int, int] = field(default_factory=dict)
     # The per-hour windows and Kafka's own figures for them (None for ad-hoc contracts).
     windows: Windows | None = None
+    # The log the windows were read from (None for ad-hoc contracts).
+    identity: TopicIdentity | None = None
 
     @property
     def records(self) -> int:
@@ -198,6 +200,9 @@ def audit_summary(contract: OffsetContract, run_id: str) -> dict[str, str]:
     }
     if contract.windows is not None:
         out["windows"] = contract.windows.bounds_json()
+    if contract.identity is not None:
+        out["topic-id"] = contract.identity.topic_id
+        out["cluster-id"] = contract.identity.cluster_id
     if contract.archive_ranges:
         out["archive-offsets"] = json.dumps(
             {str(p): [s, e] for p, (s, e) in sorted(contract.archive_ranges.items())},
@@ -697,11 +702,13 @@ def window_contract(
     end: datetime,
 ) -> OffsetContract:
     """Step 1: the window's exact offsets, chained on the raw table's ledger. Needs no Spark,
-    so a run does it while its Spark session starts."""
-    published = ledger.published_offsets(
-        iceberg.catalog(), settings.catalog.namespace, iceberg.spark_name(spec.raw_table)
-    )
-    return offset_contract(
+    so a run does it while its Spark session starts. Raises
+    :class:`~backfill_assets.lake.identity.TopicReplaced` before computing anything when
+    Kafka's log of the topic is not the ledger's."""
+    cat, raw_name = iceberg.catalog(), iceberg.spark_name(spec.raw_table)
+    read = identity.check(kafka, cat, settings.catalog.namespace, spec.topic, raw_name)
+    published = ledger.published_offsets(cat, settings.catalog.namespace, raw_name)
+    contract = offset_contract(
         kafka,
         spec.topic,
         start,
@@ -713,6 +720,7 @@ def window_contract(
         decode_sample=settings.content_sample,
         decode_whole_up_to=settings.content_sample_above,
     )
+    return replace(contract, identity=read)
 
 
 def _current_layout(catalog: Catalog, spark_name: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -18,6 +19,17 @@ from confluent_kafka.admin import AdminClient
 
 from backfill_assets.errors import KafkaClientError
 from backfill_assets.stack.settings import Settings
+
+
+@dataclass(frozen=True)
+class TopicIdentity:
+    """Which log a topic name stands for: the topic id Kafka gave the topic when it was created
+    and the id of the cluster serving it. A topic deleted and recreated gets a new topic id (its
+    offsets restart at 0); a topic served by another cluster after a failover has another
+    cluster id (and topic id)."""
+
+    topic_id: str
+    cluster_id: str
 
 
 class KafkaClient:
@@ -116,6 +128,26 @@ class KafkaClient:
                 f"Kafka topic {topic!r} does not exist at {self.settings.kafka.bootstrap_servers}"
             )
         return sorted(info.partitions)
+
+    def topic_identity(self, topic: str) -> TopicIdentity:
+        """The topic's id (DescribeTopics) and the cluster's id (metadata); raises
+        :class:`~backfill_assets.errors.KafkaClientError` when the topic does not exist."""
+        from confluent_kafka import TopicCollection
+
+        self.partitions(topic)  # fails naming the broker, or the missing topic
+        admin = self.admin()
+        futures = admin.describe_topics(
+            TopicCollection([topic]), request_timeout=self.request_timeout_s
+        )
+        try:
+            described = futures[topic].result()
+            cluster = admin.describe_cluster(request_timeout=self.request_timeout_s).result()
+        except KafkaException as exc:
+            raise KafkaClientError(
+                f"Kafka at {self.settings.kafka.bootstrap_servers} did not describe topic "
+                f"{topic!r}: {exc}"
+            ) from None
+        return TopicIdentity(topic_id=str(described.topic_id), cluster_id=str(cluster.cluster_id))
 
     def offsets_for_times(self, topic: str, timestamp_ms: int) -> dict[int, int]:
         """Per partition, the earliest offset whose timestamp is >= ``timestamp_ms``.

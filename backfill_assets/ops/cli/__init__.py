@@ -27,7 +27,7 @@ import click
 import dagster as dg
 
 from backfill_assets.errors import BackfillError, ErrorKind
-from backfill_assets.ops.cli import backfill, rollback, stack, upkeep
+from backfill_assets.ops.cli import adopt, backfill, rollback, stack, upkeep
 from backfill_assets.ops.cli.common import Exit
 from backfill_assets.ops.cli.output import Ui
 from backfill_assets.stack.settings import REPO_ROOT
@@ -138,7 +138,8 @@ def cli(ctx: click.Context) -> None:
       3  a service is unavailable: Kafka, the local stack, the catalog or the webserver did
          not answer; run again once it is back
       4  refused or failed: a check or a guard refused (e.g. a rollback that would discard
-         later publishes), or a run, a backfill or a maintenance step failed
+         later publishes, or `gaps` of a topic deleted and recreated that awaits `adopt`),
+         or a run, a backfill or a maintenance step failed
     """
     ctx.with_resource(_dagster_home())
 
@@ -157,6 +158,7 @@ for _command in (
     rollback.audit_command,
     rollback.rollback_command,
     upkeep.gaps_command,
+    adopt.adopt_command,
 ):
     cli.add_command(_command)
 

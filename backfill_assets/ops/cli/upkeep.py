@@ -168,9 +168,10 @@ def _maintained_tables(tables: tuple[str, ...]) -> list[str]:
 )
 @with_ui
 def gaps_command(ui: Ui, settings: Settings, topic: str, horizon_hours: int) -> int:
-    """What the gap and late-data sensors see, with fill commands. Exits 1 if anything is due."""
-    from backfill_assets.defs.definitions import SPECS
-    from backfill_assets.lake import detect
+    """What the gap and late-data sensors see, each finding with what to run. Exits 1 if
+    anything is due, 4 if the topic is refused (deleted and recreated, or failed over: run
+    `backfill-assets adopt`)."""
+    from backfill_assets.lake import detect, identity, ledger
 
     spec = spec_of(topic)
     cat = catalog.load(settings.catalog)
@@ -180,12 +181,19 @@ def gaps_command(ui: Ui, settings: Settings, topic: str, horizon_hours: int) -> 
         cat,
         ns,
         spec,
-        specs=SPECS,
+        specs=list(specs().values()),
         retention_horizon=timedelta(hours=horizon_hours),
     )
     late = detect.late_event_hours(cat, ns, spec)
-    doc = _gaps_doc(spec, found, late)
+    stale = {t.name: ledger.stale(cat, ns, f"{cat.name}.{ns}.{t.name}") for t in spec.tables}
+    doc = _gaps_doc(spec, found, late, stale)
+    doc["topic_replaced"] = str(found.replaced) if found.replaced is not None else None
+    doc["not_re_read"] = identity.shadowed_doc(spec.topic, found.shadowed)
     ui.emit(doc)
+    if found.replaced is not None:
+        ui.line(f"REFUSED: {found.replaced}")
+    for item in doc["not_re_read"]:
+        ui.line(f"NOT RE-READ: {item['why']}")
     counts = {
         "raw_gaps": len(doc["raw_gaps"]),
         "current_gaps": len(doc["current_gaps"]),
@@ -198,12 +206,29 @@ def gaps_command(ui: Ui, settings: Settings, topic: str, horizon_hours: int) -> 
     table = _gaps_table(spec, doc)
     if table.rows:
         ui.table(table)
-    empty = not (found.raw_gaps or found.current_gaps or doc["tables_due"] or late)
+    if found.replaced is not None:
+        return Exit.FAILED
+    empty = not (
+        found.raw_gaps or found.current_gaps or doc["tables_due"] or late or found.shadowed
+    )
     return Exit.OK if empty else Exit.NOT_OK
 
 
+def _rebuild(spec: TopicSpec, table: str, hour: str) -> str:
+    """What rebuilds one hour of a declared table now (the sensors do it by themselves)."""
+    key = f"{datetime.fromisoformat(hour):%Y-%m-%d-%H:%M}"
+    return (
+        f"the gap sensor {spec.topic}_offset_gaps rebuilds it, or run: dagster asset "
+        f"materialize -m backfill_assets.defs.definitions --select 'lakehouse/{table}' "
+        f"--partition '{key}'"
+    )
+
+
 def _gaps_doc(
-    spec: TopicSpec, found: Findings, late: dict[str, dict[datetime, str]]
+    spec: TopicSpec,
+    found: Findings,
+    late: dict[str, dict[datetime, str]],
+    stale: dict[str, dict[datetime, str]],
 ) -> dict[str, Any]:
     """The ``gaps`` document: gaps as ranges with the command that fills each, the hours due
     per table, late event hours and retention risks."""
@@ -230,7 +255,7 @@ def _gaps_doc(
         "raw_gaps": ranges(found.raw_gaps),
         "current_gaps": ranges(found.current_gaps),
         "tables_due": {
-            name: {h.isoformat(): why for h, why in sorted(due.items())}
+            name: {h.isoformat(): stale.get(name, {}).get(h, why) for h, why in sorted(due.items())}
             for name, due in found.tables_due.items()
             if due
         },
@@ -244,19 +269,25 @@ def _gaps_doc(
 
 def _gaps_table(spec: TopicSpec, doc: dict[str, Any]) -> output.Table:
     table = output.table("finding", "table", "hours (UTC)", "why / fill command")
-    for kind, name, gaps in (
-        ("raw gap", spec.raw_table, doc["raw_gaps"]),
-        ("current gap", spec.current_table, doc["current_gaps"]),
+    for kind, name, gaps, what in (
+        ("raw gap", spec.raw_table, doc["raw_gaps"], "Kafka holds records not published"),
+        ("current gap", spec.current_table, doc["current_gaps"], "current state not built"),
     ):
         for g in gaps:
-            output.row(table, kind, name, f"{g['start']} .. {g['end']}", g["fill"])
+            output.row(
+                table,
+                kind,
+                name,
+                f"{g['start']} .. {g['end']}",
+                f"{what}; the gap sensor {spec.topic}_offset_gaps requests it, or run: {g['fill']}",
+            )
     for kind, per_table in (
         ("table due", doc["tables_due"]),
         ("late events", doc["late_event_hours"]),
     ):
         for name, due in per_table.items():
             for h, why in due.items():
-                output.row(table, kind, name, h, why)
+                output.row(table, kind, name, h, f"{why}; {_rebuild(spec, name, h)}")
     for r in doc["retention_risks"]:
         archived = "archived" if r["archived"] else "NOT archived"
         output.row(
@@ -264,6 +295,11 @@ def _gaps_table(spec: TopicSpec, doc: dict[str, Any]) -> output.Table:
             "retention risk",
             spec.raw_table,
             r["hour"],
-            f"leaves Kafka at {r['leaves_kafka_at']}, offsets {r['offsets']} ({archived})",
+            f"not published, leaves Kafka at {r['leaves_kafka_at']}, offsets {r['offsets']} "
+            + (
+                f"({archived}: it can still be backfilled after that)"
+                if r["archived"]
+                else f"({archived}): run `backfill-assets archive --topic {spec.topic}` now"
+            ),
         )
     return table
