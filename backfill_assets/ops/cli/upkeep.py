@@ -181,7 +181,7 @@ def gaps_command(ui: Ui, settings: Settings, topic: str, horizon_hours: int) -> 
         cat,
         ns,
         spec,
-        specs=list(specs().values()),
+        specs=list(common.specs().values()),
         retention_horizon=timedelta(hours=horizon_hours),
     )
     late = detect.late_event_hours(cat, ns, spec)
