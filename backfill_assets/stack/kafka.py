@@ -99,6 +99,10 @@ class KafkaClient:
         """The topic's partitions. Every offset look-up starts here, so this is where a broker
         that refuses our credentials fails the run at once, naming the broker, instead of
         after the request timeout with librdkafka's generic "transport failure"."""
+        return sorted(self._metadata(topic)[2].partitions)
+
+    def _metadata(self, topic: str) -> tuple[AdminClient, Any, Any]:
+        """An admin client, the cluster's metadata and the topic's (see :meth:`partitions`)."""
         errors: list[KafkaError] = []
         conf: dict[str, Any] = {**self.settings.kafka.client_config(), "error_cb": errors.append}
         admin = AdminClient(conf)
@@ -127,27 +131,26 @@ class KafkaClient:
             raise KafkaClientError(
                 f"Kafka topic {topic!r} does not exist at {self.settings.kafka.bootstrap_servers}"
             )
-        return sorted(info.partitions)
+        return admin, meta, info
 
     def topic_identity(self, topic: str) -> TopicIdentity:
         """The topic's id (DescribeTopics) and the cluster's id (metadata); raises
         :class:`~backfill_assets.errors.KafkaClientError` when the topic does not exist."""
         from confluent_kafka import TopicCollection
 
-        self.partitions(topic)  # fails naming the broker, or the missing topic
-        admin = self.admin()
+        # Fails naming the broker, or the missing topic; the metadata names the cluster.
+        admin, meta, _info = self._metadata(topic)
         futures = admin.describe_topics(
             TopicCollection([topic]), request_timeout=self.request_timeout_s
         )
         try:
             described = futures[topic].result()
-            cluster = admin.describe_cluster(request_timeout=self.request_timeout_s).result()
         except KafkaException as exc:
             raise KafkaClientError(
                 f"Kafka at {self.settings.kafka.bootstrap_servers} did not describe topic "
                 f"{topic!r}: {exc}"
             ) from None
-        return TopicIdentity(topic_id=str(described.topic_id), cluster_id=str(cluster.cluster_id))
+        return TopicIdentity(topic_id=str(described.topic_id), cluster_id=str(meta.cluster_id))
 
     def offsets_for_times(self, topic: str, timestamp_ms: int) -> dict[int, int]:
         """Per partition, the earliest offset whose timestamp is >= ``timestamp_ms``.
