@@ -87,6 +87,9 @@ class Entry:
     # Derived tables: input table (``catalog.namespace.table``) -> the sequence number of the
     # input's main snapshot the run read; None when unknown (rows written before it was kept).
     reads: dict[str, int] | None = None
+    # Raw tables: the committed records Kafka held in the hour's window when it was published
+    # (librdkafka's count); None when unknown.
+    records: int | None = None
 
     @property
     def committed_ms(self) -> int:
@@ -464,6 +467,7 @@ def _entries(
                 event_hours=_event_hours(row.get("event_hours")),
                 superseded_hours=_hours(row.get("superseded_hours")),
                 reads=parse_reads(row.get("reads")),
+                records=None if row.get("records") is None else int(row["records"]),
             )
         )
     return sorted(out, key=lambda e: (e.sequence_number, e.recorded_at))

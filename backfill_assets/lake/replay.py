@@ -114,6 +114,10 @@ class OffsetContract:
     kafka_start: dict[int, int] = field(default_factory=dict)
     # The per-hour windows and Kafka's own figures for them (None for ad-hoc contracts).
     windows: Windows | None = None
+    # The hours of the window the ledger already has a publish for, with the committed
+    # records it counted then and the run that published them: a re-run must not publish
+    # fewer (checks: records_kept).
+    published_records: dict[datetime, tuple[int, str]] = field(default_factory=dict)
 
     @property
     def records(self) -> int:
@@ -186,6 +190,10 @@ class ReplayOutcome:
     # counts (tombstones excluded). The ledger keeps it so the late-data sensor never reads rows.
     event_hours: dict[str, dict[str, int]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    # An operator accepted that re-run hours publish fewer records than the ledger counted
+    # (Kafka's compaction or truncation removed them): checks.records_kept passes, naming the
+    # loss. Never set by the sensors.
+    accept_fewer_records: bool = False
 
 
 def audit_summary(contract: OffsetContract, run_id: str) -> dict[str, str]:
@@ -698,10 +706,12 @@ def window_contract(
 ) -> OffsetContract:
     """Step 1: the window's exact offsets, chained on the raw table's ledger. Needs no Spark,
     so a run does it while its Spark session starts."""
-    published = ledger.published_offsets(
+    covered = ledger.coverage(
         iceberg.catalog(), settings.catalog.namespace, iceberg.spark_name(spec.raw_table)
     )
-    return offset_contract(
+    # ledger.published_offsets, from the same read
+    published = {h: dict(e.offsets) for h, e in covered.items() if e.offsets is not None}
+    contract = offset_contract(
         kafka,
         spec.topic,
         start,
@@ -712,6 +722,14 @@ def window_contract(
         decode=RecordDecoder(spec),
         decode_sample=settings.content_sample,
         decode_whole_up_to=settings.content_sample_above,
+    )
+    return replace(
+        contract,
+        published_records={
+            h: (e.records, e.run_id)
+            for h, e in covered.items()
+            if start <= h < end and e.offsets is not None and e.records is not None
+        },
     )
 
 
