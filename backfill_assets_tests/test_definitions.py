@@ -51,6 +51,7 @@ def test_blocking_checks_users_rely_on() -> None:
         (RAW, "uniqueness"),
         (RAW, "quarantine_ratio"),
         (RAW, "decoded_content"),
+        (RAW, "records_kept"),
         (HOURLY, "reconciliation"),
         (HOURLY, "uniqueness"),
         (HOURLY, "schema_contract"),

@@ -3,7 +3,7 @@ tables, each materialization written on a run branch, audited by blocking checks
 published."""
 
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
@@ -332,12 +332,16 @@ def _replay_raw(
         run_id=context.run.run_id,
         began=began,
     )
+    # Only an operator's run carries the tag (CLI --accept-fewer-records); sensors never do.
+    outcome.accept_fewer_records = accepts_fewer_records(context.run.tags)
     results = checks.run_checks(session, spec, outcome)
     request = publish.raw_request(session, spec, outcome, results)
     snapshot, total_rows, evaluations = yield from _audit_and_publish(
         context, iceberg, session, request, {"started_at": started}
     )
-    rate = outcome.records_read / outcome.duration_s if outcome.duration_s else 0.0
+    accepted = _accepted_loss(evaluations)
+    if accepted:
+        context.log.warning(f"published with fewer records than the ledger counted: {accepted}")
     _partition_figures(
         context,
         outcome.per_hour,
@@ -347,37 +351,67 @@ def _replay_raw(
             "quarantined": "quarantined",
         },
     )
-    # Numbers shared by every partition of the run are run totals: one JSON value (the UI
-    # does not plot it per partition); the plotted numbers are each partition's own.
     yield dg.MaterializeResult(
-        metadata={
-            "run": dg.MetadataValue.json(
-                {
-                    "partitions": len(context.partition_keys),
-                    "records_read": outcome.records_read,
-                    "rows_written": outcome.rows_written,
-                    "quarantined": outcome.quarantined,
-                    "resent_event_ids": outcome.resent,
-                    "conflicting_event_ids": outcome.conflicting_ids,
-                    "bytes_read": outcome.bytes_read,
-                    "bytes_written": outcome.bytes_written,
-                    "files_written": outcome.files_written,
-                    "drain_rate_records_per_s": round(rate, 1),
-                    "duration_s": round(outcome.duration_s, 2),
-                }
-            ),
-            "per_hour": dg.MetadataValue.json(outcome.per_hour),
-            "offsets": dg.MetadataValue.json(
-                {str(p): list(r) for p, r in outcome.contract.ranges.items()}
-            ),
-            "checksum": outcome.checksum,
-            "snapshot_id": str(snapshot),
-            "main_snapshot_before": str(outcome.branch.main_before),
-            "branch": outcome.branch.name,
-            **_table_rows(total_rows),
-        },
+        metadata=_raw_metadata(
+            outcome, len(context.partition_keys), snapshot, total_rows, accepted
+        ),
         check_results=evaluations,
     )
+
+
+def _raw_metadata(
+    outcome: replay.ReplayOutcome,
+    partitions: int,
+    snapshot: int,
+    total_rows: int | None,
+    accepted: str | None,
+) -> dict[str, Any]:
+    """A raw materialization's metadata."""
+    rate = outcome.records_read / outcome.duration_s if outcome.duration_s else 0.0
+    # Numbers shared by every partition of the run are run totals: one JSON value (the UI
+    # does not plot it per partition); the plotted numbers are each partition's own.
+    return {
+        "run": dg.MetadataValue.json(
+            {
+                "partitions": partitions,
+                "records_read": outcome.records_read,
+                "rows_written": outcome.rows_written,
+                "quarantined": outcome.quarantined,
+                "resent_event_ids": outcome.resent,
+                "conflicting_event_ids": outcome.conflicting_ids,
+                "bytes_read": outcome.bytes_read,
+                "bytes_written": outcome.bytes_written,
+                "files_written": outcome.files_written,
+                "drain_rate_records_per_s": round(rate, 1),
+                "duration_s": round(outcome.duration_s, 2),
+            }
+        ),
+        "per_hour": dg.MetadataValue.json(outcome.per_hour),
+        "offsets": dg.MetadataValue.json(
+            {str(p): list(r) for p, r in outcome.contract.ranges.items()}
+        ),
+        "checksum": outcome.checksum,
+        "snapshot_id": str(snapshot),
+        "main_snapshot_before": str(outcome.branch.main_before),
+        "branch": outcome.branch.name,
+        **_table_rows(total_rows),
+        **({"accepted_record_loss": accepted} if accepted else {}),
+    }
+
+
+def accepts_fewer_records(tags: Mapping[str, str]) -> bool:
+    """Whether a run's tags accept publishing fewer records than the ledger counted."""
+    value = tags.get(checks.ACCEPT_FEWER_RECORDS_TAG, "")
+    return value.strip().lower() in ("true", "1", "yes")
+
+
+def _accepted_loss(evaluations: list[dg.AssetCheckResult]) -> str | None:
+    """The loss an operator accepted for this run (checks.records_kept), in words."""
+    for e in evaluations:
+        value = (e.metadata or {}).get("accepted_loss")
+        if value is not None:
+            return str(getattr(value, "value", value))
+    return None
 
 
 def _table_rows(total: int | None) -> dict[str, Any]:

@@ -31,7 +31,11 @@ CHECK_NAMES = (
     "uniqueness",
     "quarantine_ratio",
     "decoded_content",
+    "records_kept",
 )
+# The run tag (and CLI flag --accept-fewer-records) with which an operator accepts that a
+# re-run publishes fewer records than the ledger counted for an hour.
+ACCEPT_FEWER_RECORDS_TAG = "backfill_assets/accept_fewer_records"
 DESCRIPTIONS = {
     "count_reconciliation": (
         "Per window hour, rows on the run's branch plus quarantined records equal the committed "
@@ -53,6 +57,12 @@ DESCRIPTIONS = {
         "or the upcasters): same rows, same sum of content hashes. Every record of a window of "
         "at most BACKFILL_CONTENT_SAMPLE_ABOVE records; of a larger one, 1 in "
         "BACKFILL_CONTENT_SAMPLE picked by a hash of (partition, offset), on both sides."
+    ),
+    "records_kept": (
+        "Per window hour the ledger already has a publish for, Kafka (or the archive) still "
+        "holds as many committed records in the published offset window as the ledger counted "
+        "then: a re-run of an hour whose records compaction or truncation removed is refused, "
+        "unless the run is tagged backfill_assets/accept_fewer_records=true."
     ),
 }
 
@@ -116,6 +126,7 @@ def run_checks(spark: SparkSession, spec: TopicSpec, outcome: ReplayOutcome) -> 
         _uniqueness(table_side),
         _quarantine_ratio(spec, outcome),
         _decoded_content(table_side, outcome),
+        records_kept(spark, outcome),
     ]
 
 
@@ -678,6 +689,137 @@ def _decoded_content(table_side: dict[str, Any], outcome: ReplayOutcome) -> Chec
             "per_hour": per_hour,
         },
     )
+
+
+def records_kept(spark: SparkSession, outcome: ReplayOutcome) -> CheckOutcome:
+    """Re-run hours must not silently hold fewer records than their publish did.
+
+    For every hour of the window the ledger has a publish for (its window is then that
+    publish's offsets), the committed records the scan counts in it now (Kafka, plus the
+    archive below Kafka's log start) against the ``records`` the ledger counted then. Fewer
+    now means the log cleaner (``cleanup.policy=compact``) or a truncation (delete-records,
+    retention without an archive) removed records: publishing would drop rows main holds.
+    Fails naming topic, hours, partitions (main's rows whose offsets Kafka no longer holds)
+    and both counts, unless the operator accepted the loss for this run
+    (``outcome.accept_fewer_records``); then it passes and says what was accepted."""
+    contract = outcome.contract
+    assert contract.windows is not None
+    kafka = contract.windows.hour_figures()
+    short: dict[str, dict[str, Any]] = {}
+    for hour, (held, run_id) in sorted(contract.published_records.items()):
+        now = kafka.get(hour.isoformat(), {}).get("records", 0)
+        if now < held:
+            short[hour.isoformat()] = {
+                "ledger_records": held,
+                "kafka_records_now": now,
+                "removed": held - now,
+                "published_by_run": run_id,
+            }
+    checked = len(contract.published_records)
+    if not short:
+        return CheckOutcome(
+            "records_kept",
+            True,
+            f"{checked} hour(s) of the window were published before; Kafka still holds every "
+            "record the ledger counted for them"
+            if checked
+            else "no hour of the window was published before (first ingest)",
+            {"republished_hours": checked, "hours_with_fewer_records": []},
+        )
+    gone = _gone_from_kafka(spark, outcome, list(short))
+    for key, figures in short.items():
+        figures["main_rows_gone_by_partition"] = gone.get(key, {})
+    return _fewer_records(outcome, short, checked)
+
+
+def _fewer_records(
+    outcome: ReplayOutcome, short: dict[str, dict[str, Any]], checked: int
+) -> CheckOutcome:
+    """The records_kept outcome for hours with fewer records now: refused, or accepted."""
+    topic, contract = outcome.contract.topic, outcome.contract
+    removed = sum(f["removed"] for f in short.values())
+    hours = "; ".join(
+        f"hour {h}: the ledger counted {f['ledger_records']} committed records when run "
+        f"{f['published_by_run']} published it, Kafka holds {f['kafka_records_now']} now"
+        + _partitions_text(f["main_rows_gone_by_partition"])
+        for h, f in short.items()
+    )
+    cause = (
+        f"compaction (cleanup.policy=compact) or truncation (delete-records, retention without "
+        f"an archive) removed {removed} record(s) from the published offset window(s)"
+    )
+    metadata: dict[str, Any] = {
+        "topic": topic,
+        "republished_hours": checked,
+        "hours_with_fewer_records": list(short),
+        "records_removed": removed,
+        "per_hour": short,
+        "accepted": outcome.accept_fewer_records,
+    }
+    if outcome.accept_fewer_records:
+        metadata["accepted_loss"] = (
+            f"topic {topic!r}: {hours}; {cause}; accepted by {ACCEPT_FEWER_RECORDS_TAG}=true"
+        )
+        return CheckOutcome(
+            "records_kept",
+            True,
+            f"ACCEPTED LOSS of {removed} record(s) on topic {topic!r} ({hours}); {cause}. "
+            f"The run carries {ACCEPT_FEWER_RECORDS_TAG}=true: published with fewer rows, "
+            "recorded in the audit table and the ledger.",
+            metadata,
+        )
+    first, end = (f"{t:%Y-%m-%dT%H:%MZ}" for t in (contract.start, contract.end))
+    return CheckOutcome(
+        "records_kept",
+        False,
+        f"topic {topic!r}: Kafka no longer holds every record main was published with ("
+        f"{hours}). Likely cause: {cause}. Nothing was published: main and the ledger are "
+        f"unchanged and keep those rows; the run's branch is left for inspection. Next: keep "
+        f"main as it is (nothing to do; do not re-run these hours), or accept the loss "
+        f"explicitly: `backfill-assets backfill --topic {topic} --start {first} --end {end} "
+        f"--accept-fewer-records` (or a run tagged {ACCEPT_FEWER_RECORDS_TAG}=true); the "
+        "sensors never accept it",
+        metadata,
+    )
+
+
+def _partitions_text(gone: dict[str, int]) -> str:
+    if not gone:
+        return ""
+    ordered = sorted(gone.items(), key=lambda item: int(item[0]))
+    parts = ", ".join(f"partition {p}: {n}" for p, n in ordered)
+    return f" (rows of main whose offsets Kafka no longer holds: {parts})"
+
+
+def _gone_from_kafka(
+    spark: SparkSession, outcome: ReplayOutcome, hours: list[str]
+) -> dict[str, dict[str, int]]:
+    """Per hour (of ``hours``) and partition, main's rows whose (partition, offset) is neither
+    on the run's branch nor in its quarantine rows: what publishing would drop."""
+    from pyspark.sql import functions as F
+
+    keys = ["kafka_partition", "kafka_offset"]
+    window = window_filter(outcome.contract)
+    here = (
+        spark.table(outcome.branch.ident)
+        .where(window)
+        .select(*keys)
+        .unionByName(spark.table(outcome.quarantine_table).where(window).select(*keys))
+    )
+    gone = (
+        spark.table(outcome.branch.table)
+        .where(window)
+        .select("kafka_hour", *keys)
+        .join(here, keys, "left_anti")
+        .groupBy(F.unix_millis("kafka_hour").alias("hour_ms"), "kafka_partition")
+        .count()
+    )
+    out: dict[str, dict[str, int]] = {}
+    for row in gone.collect():
+        hour = hour_key(int(row["hour_ms"]))
+        if hour in hours:
+            out.setdefault(hour, {})[str(row["kafka_partition"])] = int(row["count"])
+    return out
 
 
 def _miss_rate(k: int) -> str:

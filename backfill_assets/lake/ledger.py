@@ -102,6 +102,9 @@ class Entry:
     # was kept, publishes recovered from a summary without it).
     topic_id: str | None = None
     cluster_id: str | None = None
+    # Raw tables: the committed records Kafka held in the hour's window when it was published
+    # (librdkafka's count); None when unknown.
+    records: int | None = None
 
     @property
     def committed_ms(self) -> int:
@@ -540,6 +543,7 @@ def _entries(
                 reads=parse_reads(row.get("reads")),
                 topic_id=row.get("topic_id"),
                 cluster_id=row.get("cluster_id"),
+                records=None if row.get("records") is None else int(row["records"]),
             )
         )
     return sorted(out, key=lambda e: (e.sequence_number, e.recorded_at))

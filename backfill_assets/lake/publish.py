@@ -179,7 +179,15 @@ def publish(
         error = error or wap.PublishError("nothing was published")
         _audit(tables, "publish_refused", "failed", record, detail=str(error))
         raise PublishRefused(error, branch, results)
-    _audit(tables, "publish", "succeeded", {**record, "snapshot_after": snapshot})
+    # A loss an operator accepted (checks.records_kept) is said in the publish's own row.
+    accepted = [str(r.metadata["accepted_loss"]) for r in results if "accepted_loss" in r.metadata]
+    _audit(
+        tables,
+        "publish",
+        "succeeded",
+        {**record, "snapshot_after": snapshot},
+        detail="; ".join(accepted) or None,
+    )
     total = _record_publish(tables, request, snapshot)
     late, history_error = _record_history(tables, request.table, branch, record.get("run_id"))
     return Published(snapshot, total, branch, results, late, history_error)

@@ -116,6 +116,10 @@ class OffsetContract:
     windows: Windows | None = None
     # The log the windows were read from (None for ad-hoc contracts).
     identity: TopicIdentity | None = None
+    # The hours of the window the ledger already has a publish for, with the committed
+    # records it counted then and the run that published them: a re-run must not publish
+    # fewer (checks: records_kept).
+    published_records: dict[datetime, tuple[int, str]] = field(default_factory=dict)
 
     @property
     def records(self) -> int:
@@ -188,6 +192,10 @@ class ReplayOutcome:
     # counts (tombstones excluded). The ledger keeps it so the late-data sensor never reads rows.
     event_hours: dict[str, dict[str, int]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    # An operator accepted that re-run hours publish fewer records than the ledger counted
+    # (Kafka's compaction or truncation removed them): checks.records_kept passes, naming the
+    # loss. Never set by the sensors.
+    accept_fewer_records: bool = False
 
 
 def audit_summary(contract: OffsetContract, run_id: str) -> dict[str, str]:
@@ -707,7 +715,10 @@ def window_contract(
     Kafka's log of the topic is not the ledger's."""
     cat, raw_name = iceberg.catalog(), iceberg.spark_name(spec.raw_table)
     read = identity.check(kafka, cat, settings.catalog.namespace, spec.topic, raw_name)
-    published = ledger.published_offsets(cat, settings.catalog.namespace, raw_name)
+    # ledger.published_offsets, from the same read: only the current log's publishes count
+    every, log = ledger.log_coverage(cat, settings.catalog.namespace, raw_name)
+    covered = {h: e for h, e in every.items() if log.holds(e)}
+    published = {h: dict(e.offsets) for h, e in covered.items() if e.offsets is not None}
     contract = offset_contract(
         kafka,
         spec.topic,
@@ -720,7 +731,15 @@ def window_contract(
         decode_sample=settings.content_sample,
         decode_whole_up_to=settings.content_sample_above,
     )
-    return replace(contract, identity=read)
+    return replace(
+        contract,
+        identity=read,
+        published_records={
+            h: (e.records, e.run_id)
+            for h, e in covered.items()
+            if start <= h < end and e.offsets is not None and e.records is not None
+        },
+    )
 
 
 def _current_layout(catalog: Catalog, spark_name: str) -> bool:

@@ -34,10 +34,28 @@ if TYPE_CHECKING:
     from backfill_assets.ops.launch import Progress as BackfillProgress
 
 
+_ACCEPT_HELP = (
+    "accept that re-run hours publish fewer records than the ledger counted for them (Kafka's "
+    "compaction or a truncation removed records from their published offset windows): without "
+    "it such a run is refused by the blocking check records_kept and main keeps its rows; with "
+    "it the run is tagged backfill_assets/accept_fewer_records=true, publishes what Kafka holds "
+    "and the loss is recorded with its counts (audit table, ledger, run metadata)"
+)
+
+
+def _accept_tags(accept: bool) -> dict[str, str]:
+    from backfill_assets.lake.checks import ACCEPT_FEWER_RECORDS_TAG
+
+    return {ACCEPT_FEWER_RECORDS_TAG: "true"} if accept else {}
+
+
 @click.command("materialize", short_help="Materialize a range of a topic's tables in-process.")
 @range_options
+@click.option("--accept-fewer-records", "accept", is_flag=True, help=_ACCEPT_HELP)
 @with_ui
-def materialize_command(ui: Ui, settings: Settings, topic: str, start: str, end: str) -> int:
+def materialize_command(
+    ui: Ui, settings: Settings, topic: str, start: str, end: str, accept: bool
+) -> int:
     """Materialize a Kafka-time range of a topic's tables in this process.
 
     Runs on the Dagster instance of $DAGSTER_HOME (the runs show in the UI), in dependency
@@ -64,6 +82,7 @@ def materialize_command(ui: Ui, settings: Settings, topic: str, start: str, end:
                 tags={
                     "dagster/asset_partition_range_start": f"{first:{PARTITION_FMT}}",
                     "dagster/asset_partition_range_end": f"{last:{PARTITION_FMT}}",
+                    **_accept_tags(accept),
                 },
                 raise_on_error=False,
                 # The console shows the runs' own messages; every event is in the instance
@@ -166,6 +185,7 @@ def _plan_facts(human: str) -> tuple[str, Table]:
     help="a backfill object even for one hour (by default one hour is one run, as the UI's "
     "Materialize launches it: it skips the backfill daemon's pass of up to 30 s)",
 )
+@click.option("--accept-fewer-records", "accept", is_flag=True, help=_ACCEPT_HELP)
 @with_ui
 def backfill_command(
     ui: Ui,
@@ -177,6 +197,7 @@ def backfill_command(
     timeout: float | None,
     webserver: str | None,
     as_backfill: bool,
+    accept: bool,
 ) -> int:
     """Launch a Dagster partition backfill (as the UI does); a single hour is launched as one run
     unless --as-backfill. With --wait, exits 4 unless every asset partition succeeded."""
@@ -185,7 +206,7 @@ def backfill_command(
     client = launch.DagsterClient(
         webserver or f"http://{settings.webserver_host}:{settings.webserver_port}"
     )
-    doc, kind, where, audit_flag = _launch(client, topic, start, end, as_backfill)
+    doc, kind, where, audit_flag = _launch(client, topic, start, end, as_backfill, accept)
     launched_id = doc[f"{kind}_id"]
     for r in doc["ranges"]:
         ui.line(f"launched {kind} {launched_id}: {r['asset']} {r['first']}...{r['last']}")
@@ -208,7 +229,7 @@ def backfill_command(
 
 
 def _launch(
-    client: DagsterClient, topic: str, start: str, end: str, as_backfill: bool
+    client: DagsterClient, topic: str, start: str, end: str, as_backfill: bool, accept: bool
 ) -> tuple[dict[str, Any], str, str, str]:
     """Launch the range as a backfill, or as one run if it is a single hour (unless
     ``as_backfill``): the command's document, the kind launched ("run" or "backfill"), where
@@ -223,7 +244,7 @@ def _launch(
         for key in keys
     ]
     title = f"{spec.topic} {first_hour:{PARTITION_FMT}}..{last:{PARTITION_FMT}}"
-    tags = {"backfill_assets/launched_by": f"cli:{getpass.getuser()}"}
+    tags = {"backfill_assets/launched_by": f"cli:{getpass.getuser()}", **_accept_tags(accept)}
     partition = None if as_backfill else launch.single_partition(keyed)
     if partition is not None:
         launched_id = launch.launch_run(client, [k for k, _, _ in keyed], partition, tags, title)
