@@ -103,7 +103,7 @@ def build_gap_sensor(
             "runs for exactly the uncovered hours; warns before retention deletes them."
         ),
         asset_selection=[raw, current, *tables],
-        minimum_interval_seconds=120,
+        minimum_interval_seconds=Settings.from_env().sensor_interval_s,
         default_status=_default_status(),
     )
     def _gaps(
@@ -211,7 +211,7 @@ def build_late_data_sensor(
             "received records after they were published, beyond the allowed lateness."
         ),
         asset_selection=tables or [raw_asset_key(spec)],
-        minimum_interval_seconds=120,
+        minimum_interval_seconds=Settings.from_env().sensor_interval_s,
         default_status=_default_status(),
     )
     def _late(
