@@ -364,7 +364,9 @@ def _spans(
     """The ranges to request for ``hours`` of ``kind``: hours whose runs are in flight are
     left out; hours of a failed request are requested apart from the others, in halves of the
     smallest failed range that holds them (one hour alone once that range is one hour)."""
-    busy = history.active.get(kind, set())
+    busy = set(history.active.get(kind, set()))
+    if kind == "current":  # a raw request materializes the current state of its hours too
+        busy |= history.active.get("raw", set())
     failed = [p[1:] for tag in history.failed if (p := _parse_tag(tag)) and p[0] == kind]
     groups: dict[tuple[datetime, datetime] | None, list[datetime]] = {}
     for hour in sorted(set(hours) - busy):
