@@ -492,14 +492,23 @@ def _due(lab: Lab) -> dict[str, Any]:
     return out
 
 
+def _sensor_runs(
+    lab: Lab, statuses: list[dg.DagsterRunStatus], after: float | None = None
+) -> list[dg.DagsterRun]:
+    """Runs the gap and late-data sensors launched (the archive schedules' runs are not
+    what this tier waits for)."""
+    updated = datetime.fromtimestamp(after, UTC) if after is not None else None
+    runs = lab.instance.get_runs(filters=dg.RunsFilter(statuses=statuses, updated_after=updated))
+    return [
+        r
+        for r in runs
+        if r.tags.get("dagster/sensor_name", "").endswith(("_offset_gaps", "_late_data"))
+    ]
+
+
 def _failures(lab: Lab, after: float) -> list[str]:
-    runs = lab.instance.get_runs(
-        filters=dg.RunsFilter(
-            statuses=[dg.DagsterRunStatus.FAILURE], updated_after=datetime.fromtimestamp(after, UTC)
-        )
-    )
     out = []
-    for run in runs:
+    for run in _sensor_runs(lab, [dg.DagsterRunStatus.FAILURE], after):
         errors = [
             e.message
             for e in lab.instance.all_logs(run.run_id)
@@ -521,7 +530,7 @@ def converge(lab: Lab, phase: str) -> None:
         ticks = len(sensor_ticks(lab, gap, began))
         failed = _failures(lab, began)
         assert not failed, f"{phase}: a sensor-launched run failed:\n" + "\n".join(failed)
-        active = lab.instance.get_runs(filters=dg.RunsFilter(statuses=_ACTIVE))
+        active = _sensor_runs(lab, _ACTIVE)
         if not active:
             due = _due(lab)
             if not due:
@@ -709,9 +718,7 @@ def converge_raw(lab: Lab, spec: TopicSpec, hours: int) -> None:
             entries = ledger.coverage(cat, lab.settings.catalog.namespace, lab.full(spec.raw_table))
         except Exception:  # no table yet
             entries = {}
-        if len(entries) >= hours and not lab.instance.get_runs(
-            filters=dg.RunsFilter(statuses=_ACTIVE)
-        ):
+        if len(entries) >= hours and not _sensor_runs(lab, _ACTIVE):
             return
         time.sleep(3)
     raise AssertionError(f"{spec.raw_table} not published within {MAX_TICKS} ticks")
