@@ -526,6 +526,7 @@ def converge(lab: Lab, phase: str) -> None:
     gap = f"{lab.main.topic}_offset_gaps"
     differs: list[str] = []
     due: dict[str, Any] = {}
+    settled_but_wrong = 0  # polls in a row with nothing due, nothing running, tables wrong
     while True:
         ticks = len(sensor_ticks(lab, gap, began))
         failed = _failures(lab, began)
@@ -538,6 +539,13 @@ def converge(lab: Lab, phase: str) -> None:
                 if not differs:
                     lab.ticks_to_converge.append((phase, ticks, time.time() - began))
                     return
+                settled_but_wrong += 1
+                # Nothing is due, so the sensors will request nothing more: final.
+                assert settled_but_wrong < 10, f"{phase}: settled, but tables differ: {differs}"
+            else:
+                settled_but_wrong = 0
+        else:
+            settled_but_wrong = 0
         if ticks > MAX_TICKS:
             raise AssertionError(
                 f"{phase}: not converged after {ticks} ticks of {gap} "
