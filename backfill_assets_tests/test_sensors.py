@@ -373,3 +373,30 @@ def test_old_ledger_gains_event_hours_in_place(iceberg_catalog: Catalog) -> None
     table = iceberg_catalog.load_table(f"{ns}.{ledger.LEDGER_TABLE}")
     assert table.schema().schema_id == schema_id
     assert [e.run_id for e in ledger.publishes(iceberg_catalog, ns, raw)] == ["old-run"] * 3
+
+
+def test_a_running_raw_run_keeps_its_current_hours_out_of_new_requests() -> None:
+    """A raw request materializes raw and current. Between its raw publish and its current
+    publish, the current hours it covers are gaps; the gap sensor must not request them as a
+    current-only run (found by the convergence tier: a duplicate run, and two runs publishing
+    the same current hours at once)."""
+    from backfill_assets.defs import sensors
+
+    sensor = "orders_offset_gaps"
+    first = datetime(2026, 8, 10, 4, tzinfo=UTC)
+    hours = [first + timedelta(hours=h) for h in range(3)]
+    with dg.instance_for_test() as instance:
+        instance.add_run(
+            dg.DagsterRun(
+                job_name="__ASSET_JOB",
+                run_id=str(uuid.uuid4()),
+                status=dg.DagsterRunStatus.STARTED,
+                tags={
+                    "dagster/sensor_name": sensor,
+                    sensors.REQUEST_TAG: "raw:2026-08-10-04:00...2026-08-10-05:00",
+                },
+            )
+        )
+        history = sensors._history(instance, sensor)
+        assert sensors._spans("current", hours, history) == [(hours[2], hours[2])]
+        assert sensors._spans("raw", hours, history) == [(hours[2], hours[2])]

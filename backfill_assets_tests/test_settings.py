@@ -27,6 +27,8 @@ def test_local_defaults_describe_the_embedded_stack(tmp_path: object) -> None:
     assert s.webserver_host == "127.0.0.1"
     assert s.run_executor == "in_process"
     assert (s.content_sample, s.content_sample_above) == (16, 50_000)
+    assert s.sensor_interval_s == 120
+    assert Settings.from_env({"BACKFILL_SENSOR_INTERVAL_S": "10"}).sensor_interval_s == 10
 
 
 def test_a_throttled_process_gets_half_the_local_cores_unless_the_master_is_set() -> None:
@@ -59,6 +61,9 @@ def test_a_throttled_process_gets_half_the_local_cores_unless_the_master_is_set(
         ({"BACKFILL_CONTENT_SAMPLE": "4096"}, "BACKFILL_CONTENT_SAMPLE='4096'.* to 1024"),
         ({"BACKFILL_CONTENT_SAMPLE": "1/16"}, "BACKFILL_CONTENT_SAMPLE='1/16'"),
         ({"BACKFILL_CONTENT_SAMPLE_ABOVE": "lots"}, "BACKFILL_CONTENT_SAMPLE_ABOVE"),
+        ({"BACKFILL_SENSOR_INTERVAL_S": "0"}, "BACKFILL_SENSOR_INTERVAL_S='0' must be a positive"),
+        ({"BACKFILL_SENSOR_INTERVAL_S": "2m"}, "BACKFILL_SENSOR_INTERVAL_S='2m' is not a whole"),
+        ({"BACKFILL_SENSOR_INTERVAL_S": "90000"}, "BACKFILL_SENSOR_INTERVAL_S=90000 .* 1 to 86400"),
     ],
 )
 def test_bad_values_name_the_variable_and_what_is_allowed(env: dict[str, str], names: str) -> None:
@@ -190,3 +195,16 @@ def test_running_session_was_built_with_the_settings_and_says_what_it_cannot_cha
     assert len(messages) == 1, messages
     assert "spark.executor.memory=(Spark default), not 3g" in messages[0]
     assert "BACKFILL_SPARK_EXECUTOR_MEMORY" in messages[0]
+
+
+def test_both_sensors_tick_at_the_configured_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    from backfill_assets.defs.definitions import SPECS
+    from backfill_assets.defs.sensors import build_gap_sensor, build_late_data_sensor
+
+    for value, expected in ((None, 120), ("7", 7)):
+        if value is None:
+            monkeypatch.delenv("BACKFILL_SENSOR_INTERVAL_S", raising=False)
+        else:
+            monkeypatch.setenv("BACKFILL_SENSOR_INTERVAL_S", value)
+        for build in (build_gap_sensor, build_late_data_sensor):
+            assert build(SPECS[0], SPECS).minimum_interval_seconds == expected

@@ -2,7 +2,7 @@
 # The project's test command (README; CI runs it through .ci/run):
 # install, lint, type-check, validate the Dagster definitions, then pytest.
 # The default tier uses the real Kafka broker, Spark and Iceberg catalog. Marked tiers
-# (faults, browser, slow) run after it when BACKFILL_TEST_TIERS lists them (CI sets it).
+# (faults, browser, slow, convergence) run after it when BACKFILL_TEST_TIERS lists them (CI sets it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
@@ -29,7 +29,7 @@ for tier in ${BACKFILL_TEST_TIERS:-}; do
 done
 
 echo "== pytest (default tier)"
-.venv/bin/python -m pytest -m "not faults and not browser and not slow" "$@"
+.venv/bin/python -m pytest -m "not faults and not browser and not slow and not convergence" "$@"
 for tier in $tiers; do
   echo "== pytest (-m $tier)"
   .venv/bin/python -m pytest -m "$tier" "$@"

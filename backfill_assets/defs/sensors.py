@@ -108,7 +108,7 @@ def build_gap_sensor(
             "runs for exactly the uncovered hours; warns before retention deletes them."
         ),
         asset_selection=[raw, current, *tables],
-        minimum_interval_seconds=120,
+        minimum_interval_seconds=Settings.from_env().sensor_interval_s,
         default_status=_default_status(),
     )
     def _gaps(
@@ -219,7 +219,7 @@ def build_late_data_sensor(
             "received records after they were published, beyond the allowed lateness."
         ),
         asset_selection=tables or [raw_asset_key(spec)],
-        minimum_interval_seconds=120,
+        minimum_interval_seconds=Settings.from_env().sensor_interval_s,
         default_status=_default_status(),
     )
     def _late(
@@ -375,7 +375,9 @@ def _spans(
     """The ranges to request for ``hours`` of ``kind``: hours whose runs are in flight are
     left out; hours of a failed request are requested apart from the others, in halves of the
     smallest failed range that holds them (one hour alone once that range is one hour)."""
-    busy = history.active.get(kind, set())
+    busy = set(history.active.get(kind, set()))
+    if kind == "current":  # a raw request materializes the current state of its hours too
+        busy |= history.active.get("raw", set())
     failed = [p[1:] for tag in history.failed if (p := _parse_tag(tag)) and p[0] == kind]
     groups: dict[tuple[datetime, datetime] | None, list[datetime]] = {}
     for hour in sorted(set(hours) - busy):

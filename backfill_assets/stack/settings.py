@@ -188,6 +188,8 @@ class Settings:
     webserver_host: str
     webserver_port: int
     sensors_running: bool = True
+    # Seconds between two evaluations of each gap and late-data sensor (BACKFILL_SENSOR_INTERVAL_S).
+    sensor_interval_s: int = 120
     replay_max_records_per_s: int = 0  # 0: no throttle
     # A partition with no committed record at or after an hour's end seals that hour at its
     # last stable offset only when no transaction is open and the hour ended this long ago.
@@ -281,6 +283,7 @@ class Settings:
             webserver_host=env.get("BACKFILL_WEBSERVER_HOST", "127.0.0.1"),
             webserver_port=_int(env, "BACKFILL_WEBSERVER_PORT", 3000),
             sensors_running=_switch(env, "BACKFILL_SENSORS", default=True),
+            sensor_interval_s=_sensor_interval(env),
             replay_max_records_per_s=throttle,
             seal_grace_s=_int(env, "BACKFILL_SEAL_GRACE_S", 300, zero_ok=True),
             publish_attempts=_int(env, "BACKFILL_PUBLISH_ATTEMPTS", 5),
@@ -364,6 +367,19 @@ def _content_sample(env: Mapping[str, str]) -> int:
             "than BACKFILL_CONTENT_SAMPLE_ABOVE records)"
         )
     return k
+
+
+def _sensor_interval(env: Mapping[str, str]) -> int:
+    """``BACKFILL_SENSOR_INTERVAL_S``: seconds between two ticks of each gap and late-data
+    sensor, at least 1 (a tick reads every partition's offsets and the ledger)."""
+    name = "BACKFILL_SENSOR_INTERVAL_S"
+    value = _int(env, name, 120)
+    if value > 86_400:
+        raise SettingsError(
+            f"{name}={value} is more than a day: gaps would wait that long to be requested; "
+            "allowed: 1 to 86400 seconds"
+        )
+    return value
 
 
 def _int(env: Mapping[str, str], name: str, default: int, zero_ok: bool = False) -> int:
