@@ -44,7 +44,7 @@ from confluent_kafka import TopicCollection
 
 # NewTopic and AdminClient are public but only implicitly re-exported.
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
-from dagster._core.scheduler.instigation import InstigatorType
+from dagster._core.scheduler.instigation import InstigatorType, TickStatus
 
 from backfill_assets.demo.generator import TOPIC_CONFIGS, partition_for
 from backfill_assets.lake import detect, ledger
@@ -492,12 +492,14 @@ def lab(
 
 
 def sensor_ticks(lab: Lab, name: str, after: float) -> list[Any]:
-    """The daemon's ticks of sensor ``name`` since ``after`` (epoch seconds), newest first."""
+    """The daemon's finished ticks of sensor ``name`` since ``after`` (epoch seconds), newest
+    first (a tick still being evaluated has no outcome yet)."""
     for state in lab.instance.all_instigator_state(instigator_type=InstigatorType.SENSOR):
         if state.instigator_name == name:
-            return list(
-                lab.instance.get_ticks(state.instigator_origin_id, state.selector_id, after=after)
+            ticks = lab.instance.get_ticks(
+                state.instigator_origin_id, state.selector_id, after=after
             )
+            return [t for t in ticks if t.status != TickStatus.STARTED]
     return []
 
 
