@@ -295,7 +295,15 @@ def test_old_ledger_gains_event_hours_in_place(iceberg_catalog: Catalog) -> None
     ns = f"ledger_{uuid.uuid4().hex[:8]}"
     iceberg_catalog.create_namespace(ns)
     raw = f"lake.{ns}.raw_orders"
-    newer = ("event_hours", "rollback_id", "source_table", "superseded_hours", "reads")
+    newer = (
+        "event_hours",
+        "rollback_id",
+        "source_table",
+        "superseded_hours",
+        "reads",
+        "topic_id",
+        "cluster_id",
+    )
     old_schema = pa.schema([f for f in ledger.SCHEMA if f.name not in newer])
     table = iceberg_catalog.create_table(f"{ns}.{ledger.LEDGER_TABLE}", schema=old_schema)
     at = datetime(2026, 7, 2, tzinfo=UTC)
