@@ -40,9 +40,9 @@ from typing import Any
 import dagster as dg
 import pytest
 import yaml
-from confluent_kafka import TopicCollection
 
 # NewTopic and AdminClient are public but only implicitly re-exported.
+from confluent_kafka import KafkaException, TopicCollection
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 from dagster._core.scheduler.instigation import InstigatorType, TickStatus
 
@@ -222,10 +222,20 @@ def _create(settings: Settings, topic: str, config: dict[str, str] | None = None
     admin.create_topics([new])[topic].result(timeout=30)
 
 
-def topic_id(settings: Settings, topic: str) -> str:
+def topic_id(settings: Settings, topic: str, wait_s: float = 30) -> str:
+    """The topic's id, asked of the broker directly. Right after a create, the broker's
+    metadata may not know the topic yet (UNKNOWN_TOPIC_OR_PART): asked again, for up to
+    ``wait_s``."""
     admin = AdminClient(settings.kafka.client_config())
-    futures = admin.describe_topics(TopicCollection([topic]))
-    return str(futures[topic].result(timeout=30).topic_id)
+    deadline = time.monotonic() + wait_s
+    while True:
+        futures = admin.describe_topics(TopicCollection([topic]))
+        try:
+            return str(futures[topic].result(timeout=30).topic_id)
+        except KafkaException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 # --------------------------------------------------------------------------------------------
