@@ -29,7 +29,7 @@ for tier in ${BACKFILL_TEST_TIERS:-}; do
 done
 
 echo "== pytest (default tier)"
-.venv/bin/python -m pytest -m "not faults and not browser and not slow and not convergence" "$@"
+.venv/bin/python -m pytest -m "not faults and not browser and not slow and not convergence and not cluster" "$@"
 for tier in $tiers; do
   echo "== pytest (-m $tier)"
   .venv/bin/python -m pytest -m "$tier" "$@"
