@@ -836,7 +836,9 @@ def _prepare_topic(
     new = NewTopic(
         topic,
         num_partitions=config.partitions,
-        replication_factor=1,
+        # -1: the cluster's default.replication.factor (1 on the local broker, 3 on
+        # the production-shaped cluster, whose min.insync.replicas=2 refuses a lone replica).
+        replication_factor=-1,
         config=dict(TOPIC_CONFIGS),
     )
     futures = admin.create_topics(

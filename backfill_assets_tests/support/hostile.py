@@ -823,7 +823,9 @@ def create_topic(settings: Settings, config: HostileConfig) -> None:
     new = NewTopic(
         topic,
         num_partitions=config.partitions,
-        replication_factor=1,
+        # -1: the cluster's default.replication.factor (1 on the local broker, 3 on
+        # the production-shaped cluster, whose min.insync.replicas=2 refuses a lone replica).
+        replication_factor=-1,
         config={**TOPIC_CONFIGS, **COMPACTED_TOPIC_CONFIGS},
     )
     futures = admin.create_topics([new], operation_timeout=_TIMEOUT_S, request_timeout=_TIMEOUT_S)
