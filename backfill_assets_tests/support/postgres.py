@@ -118,7 +118,7 @@ def _start(root: Path, data: Path, port: int) -> int:
 
 def _create_roles(port: int, superuser_password: str, roles: dict[str, tuple[str, str]]) -> None:
     """``roles``: database -> (owner role, its password)."""
-    import psycopg2
+    import psycopg2  # type: ignore[import-untyped]
     from psycopg2 import sql
 
     con = psycopg2.connect(
