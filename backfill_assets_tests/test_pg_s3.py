@@ -306,3 +306,38 @@ def test_wrong_credentials_give_one_error_line_naming_the_setting(
     )
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert TABLE in ok.stdout
+
+
+def test_jdbc_password_with_url_reserved_characters(tier: Tier, spark_run: dict[str, Any]) -> None:
+    """pyiceberg gets the password inside its SQLAlchemy URI (percent-encoded there); one with
+    URL-reserved characters still logs in. (Spark takes it as the jdbc.password property.)"""
+    import dataclasses
+
+    import psycopg2
+
+    from backfill_assets.stack import catalog
+
+    odd = "p@ss:w/rd?#%& 'x\""
+
+    def set_password(password: str) -> None:
+        con = psycopg2.connect(
+            host=tier.pg.host,
+            port=tier.pg.port,
+            dbname=tier.pg.catalog_db,
+            user=tier.pg.catalog_user,
+            password=tier.pg.catalog_password if password == odd else odd,
+        )
+        con.autocommit = True
+        try:
+            with con.cursor() as cur:
+                cur.execute("ALTER ROLE CURRENT_USER PASSWORD %s", (password,))
+        finally:
+            con.close()
+
+    set_password(odd)
+    try:
+        cfg = dataclasses.replace(tier.settings.catalog, jdbc_password=odd)
+        tables = catalog.load(cfg).list_tables(cfg.namespace)
+        assert (cfg.namespace, TABLE) in tables
+    finally:
+        set_password(tier.pg.catalog_password)
