@@ -13,7 +13,12 @@ from backfill_assets.stack.settings import Settings
 
 
 def test_second_resolution_does_nothing(stack_settings: Settings) -> None:
-    assert jars.resolve_all(stack_settings) == {"kafka-broker": False, "spark": False}
+    assert jars.resolve_all(stack_settings) == {
+        "kafka-broker": False,
+        "spark": False,
+        "spark-cloud": False,
+        "s3proxy": False,
+    }
     names = {p.name for p in jars.jars(stack_settings, "kafka-broker")}
     assert any(n.startswith("kafka_2.13-4.") for n in names)
     spark_names = {p.name for p in jars.jars(stack_settings, "spark")}
@@ -22,6 +27,20 @@ def test_second_resolution_does_nothing(stack_settings: Settings) -> None:
     assert any(n.startswith("sqlite-jdbc-") for n in spark_names)
     # Jars pyspark already ships must not be added a second time.
     assert not any(n.startswith(("scala-library", "slf4j-api")) for n in spark_names)
+    # Postgres and S3 for Spark: exactly the five jars, none of their transitive deps (hadoop-aws
+    # alone would pull the 0.5 GB AWS SDK bundle).
+    cloud = sorted(p.name for p in jars.jars(stack_settings, "spark-cloud"))
+    assert cloud == [
+        "apache-client-2.54.17.jar",
+        "hadoop-aws-3.4.2.jar",
+        "iceberg-aws-bundle-1.12.0.jar",
+        "postgresql-42.7.14.jar",
+        "s3-transfer-manager-2.54.17.jar",
+    ]
+    s3proxy = {p.name for p in jars.jars(stack_settings, "s3proxy")}
+    assert "s3proxy-4.1.0.jar" in s3proxy
+    # jackson 3 from the imported BOM, not the 2.18 annotations s3proxy's own pom would give
+    assert not any(n.startswith("jackson-annotations-2.18") for n in s3proxy)
 
 
 def test_unresolved_cache_names_the_command(stack_settings: Settings, tmp_path: Path) -> None:
@@ -32,7 +51,7 @@ def test_unresolved_cache_names_the_command(stack_settings: Settings, tmp_path: 
 
 
 def test_unknown_set_lists_the_known_ones() -> None:
-    with pytest.raises(JarResolutionError, match="kafka-broker, spark"):
+    with pytest.raises(JarResolutionError, match="kafka-broker, spark, spark-cloud, s3proxy"):
         jars.pom_path("flink")
 
 
@@ -71,3 +90,22 @@ def test_udf_jar_without_a_jdk_names_what_to_install(
     with pytest.raises(JarResolutionError, match=r"javac is not on PATH.*jars resolve"):
         jars.udf_jar(cache)
     assert not jars.udf_jar_path(cache).exists()
+
+
+def test_cloud_jars_only_for_postgres_or_s3(stack_settings: Settings, tmp_path: Path) -> None:
+    """The default local stack's spark.jars (and so its CDS archive) has no cloud jars; a
+    Postgres catalog, an s3:// warehouse or an s3:// archive each adds the spark-cloud set."""
+    from backfill_assets.stack import spark
+
+    cloud = {str(p) for p in jars.jars(stack_settings, "spark-cloud")}
+    base = {"BACKFILL_JAR_CACHE": str(stack_settings.jar_cache), "BACKFILL_HOME": str(tmp_path)}
+
+    def spark_jars(**env: str) -> set[str]:
+        settings = Settings.from_env({**base, **env})
+        return set(spark.spark_config(settings)["spark.jars"].split(","))
+
+    assert not spark_jars() & cloud
+    pg = "postgresql+psycopg2://127.0.0.1:5432/iceberg_catalog"
+    assert cloud <= spark_jars(BACKFILL_CATALOG_URI=pg)
+    assert cloud <= spark_jars(BACKFILL_WAREHOUSE="s3://bucket/lake")
+    assert cloud <= spark_jars(BACKFILL_ARCHIVE_URI="s3://bucket/archive")

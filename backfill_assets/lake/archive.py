@@ -52,6 +52,7 @@ import pyarrow.parquet as pq
 
 from backfill_assets.errors import BackfillError
 from backfill_assets.spec import versions
+from backfill_assets.stack import catalog
 
 if TYPE_CHECKING:
     from confluent_kafka import Message
@@ -604,18 +605,7 @@ def _is_subset(committed: pa.Table, legacy: pa.Table) -> bool:
 def _filesystem(settings: Settings) -> tuple[pafs.FileSystem, str]:
     uri = settings.archive_uri.rstrip("/")
     if uri.startswith(("s3://", "s3a://")):
-        cfg = settings.catalog
-        kwargs: dict[str, Any] = {}
-        if cfg.s3_endpoint:
-            endpoint = cfg.s3_endpoint
-            kwargs["scheme"] = "https" if endpoint.startswith("https://") else "http"
-            kwargs["endpoint_override"] = endpoint.split("://", 1)[-1]
-        if cfg.s3_access_key_id and cfg.s3_secret_access_key:
-            kwargs["access_key"] = cfg.s3_access_key_id
-            kwargs["secret_key"] = cfg.s3_secret_access_key
-        if cfg.s3_region:
-            kwargs["region"] = cfg.s3_region
-        return pafs.S3FileSystem(**kwargs), uri.split("://", 1)[1]
+        return catalog.s3_filesystem(settings.catalog), uri.split("://", 1)[1]
     if "://" not in uri:
         raise ArchiveError(
             f"BACKFILL_ARCHIVE_URI={uri!r} is not a URI: use file:///ABS/PATH or s3://BUCKET/PREFIX"

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlparse
 
 from pyiceberg.catalog import Catalog, load_catalog
 
+from backfill_assets.errors import SettingsError, StackError
 from backfill_assets.stack.settings import CatalogSettings, Settings
+
+if TYPE_CHECKING:
+    import pyarrow.fs as pafs
 
 # The DDL Iceberg's Java JdbcCatalog uses with jdbc.schema-version=V1 (views supported).
 # Created up front so whichever engine touches the catalog first, both find the same schema.
@@ -96,10 +100,90 @@ def spark_properties(cfg: CatalogSettings) -> dict[str, str]:
 
 
 def load(cfg: CatalogSettings) -> Catalog:
-    """The pyiceberg catalog (created on first use for the local SQLite backend)."""
+    """The pyiceberg catalog (created on first use for the local SQLite backend). A SQL
+    catalog's database that refuses the password, or cannot be reached, is a clear error
+    naming the setting (the driver's own message, without credentials)."""
+    from sqlalchemy.exc import OperationalError
+
     init_local_catalog(cfg)
     props: dict[str, Any] = pyiceberg_properties(cfg)
-    return load_catalog(cfg.name, **props)
+    try:
+        return load_catalog(cfg.name, **props)
+    except OperationalError as exc:
+        raise _database_error(cfg, exc) from None
+
+
+def _database_error(cfg: CatalogSettings, exc: Exception) -> Exception:
+    where = cfg.uri.split("://", 1)[-1].rsplit("@", 1)[-1]  # host:port/db, never credentials
+    detail = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
+    if "password authentication failed" in detail or "no password supplied" in detail:
+        return SettingsError(
+            f"BACKFILL_CATALOG_JDBC_PASSWORD: the catalog database {where} refused the "
+            f"password of user {cfg.jdbc_user!r} (BACKFILL_CATALOG_JDBC_USER); set the right "
+            "password and run again"
+        )
+    return StackError(
+        f"the catalog database {where} (BACKFILL_CATALOG_URI) could not be used: {detail}"
+    )
+
+
+def s3_filesystem(cfg: CatalogSettings) -> pafs.S3FileSystem:
+    """A pyarrow S3 filesystem with the settings' endpoint, credentials and region."""
+    import pyarrow.fs as pafs
+
+    kwargs: dict[str, Any] = {}
+    if cfg.s3_endpoint:
+        endpoint = cfg.s3_endpoint
+        kwargs["scheme"] = "https" if endpoint.startswith("https://") else "http"
+        kwargs["endpoint_override"] = endpoint.split("://", 1)[-1]
+    if cfg.s3_access_key_id and cfg.s3_secret_access_key:
+        kwargs["access_key"] = cfg.s3_access_key_id
+        kwargs["secret_key"] = cfg.s3_secret_access_key
+    if cfg.s3_region:
+        kwargs["region"] = cfg.s3_region
+    return pafs.S3FileSystem(**kwargs)
+
+
+# What S3 answers to a request it refuses, and the setting to blame.
+_S3_REFUSALS = (
+    ("SIGNATURE_DOES_NOT_MATCH", "AWS_SECRET_ACCESS_KEY"),
+    ("SignatureDoesNotMatch", "AWS_SECRET_ACCESS_KEY"),
+    ("INVALID_ACCESS_KEY_ID", "AWS_ACCESS_KEY_ID"),
+    ("InvalidAccessKeyId", "AWS_ACCESS_KEY_ID"),
+    ("ACCESS_DENIED", "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"),
+    ("AccessDenied", "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"),
+)
+
+
+def check_s3_access(settings: Settings) -> None:
+    """List the warehouse and the archive prefixes once each when they are on S3: wrong
+    credentials are an error naming the variable, an unreachable endpoint one naming
+    BACKFILL_S3_ENDPOINT. Nothing to do for local storage."""
+    import pyarrow.fs as pafs
+
+    cfg = settings.catalog
+    for variable, uri in (
+        ("BACKFILL_WAREHOUSE", cfg.warehouse),
+        ("BACKFILL_ARCHIVE_URI", settings.archive_uri),
+    ):
+        if not uri.startswith(("s3://", "s3a://")):
+            continue
+        path = uri.split("://", 1)[1].rstrip("/")
+        try:
+            s3_filesystem(cfg).get_file_info(pafs.FileSelector(path, allow_not_found=True))
+        except OSError as exc:
+            text = str(exc)
+            blamed = next((name for code, name in _S3_REFUSALS if code in text), None)
+            if blamed is not None:
+                raise SettingsError(
+                    f"{blamed}: S3 refused the credentials for {uri} ({variable}); set the "
+                    "right key and run again"
+                ) from None
+            raise StackError(
+                f"S3 could not be reached for {uri} ({variable}) at "
+                f"{cfg.s3_endpoint or 'the AWS default endpoint'} (BACKFILL_S3_ENDPOINT): "
+                f"{text.splitlines()[0] if text else type(exc).__name__}"
+            ) from None
 
 
 def _jdbc_url(uri: str) -> str:

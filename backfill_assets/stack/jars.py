@@ -18,7 +18,9 @@ from backfill_assets.errors import JarResolutionError
 from backfill_assets.stack.settings import Settings
 
 MAVEN_DIR = Path(__file__).resolve().parent / "maven"
-JAR_SETS = ("kafka-broker", "spark")
+# spark-cloud: Postgres JDBC driver and S3 (only on Spark's classpath for a Postgres catalog or
+# an s3:// warehouse/archive); s3proxy: the test tier's object store, never on Spark's classpath.
+JAR_SETS = ("kafka-broker", "spark", "spark-cloud", "s3proxy")
 _STAMP = ".resolved-pom.sha256"
 
 

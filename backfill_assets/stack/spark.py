@@ -32,9 +32,7 @@ def spark_config(settings: Settings, extra: Mapping[str, object] | None = None) 
     conf = {
         "spark.master": settings.spark_master,
         "spark.app.name": "backfill_assets",
-        "spark.jars": ",".join(
-            str(p) for p in [*jars.jars(settings, "spark"), jars.udf_jar(settings)]
-        ),
+        "spark.jars": ",".join(str(p) for p in spark_jars(settings)),
         "spark.sql.extensions": (
             "org.apache.iceberg.spark.extensions.IcebergSparkSessionExtensions"
         ),
@@ -77,6 +75,25 @@ def spark_config(settings: Settings, extra: Mapping[str, object] | None = None) 
     ):
         conf[key] = f"{ours} {conf.get(key, '')}".strip()
     return conf
+
+
+def needs_cloud_jars(settings: Settings) -> bool:
+    """Whether Spark needs the ``spark-cloud`` jar set: a JDBC catalog on Postgres, or the
+    warehouse or the archive on S3. The default local stack (SQLite, ``file://``) does not, so
+    its classpath, and the class-data-sharing archive built for it, stay as they are."""
+    cfg = settings.catalog
+    return (
+        (cfg.kind == "sql" and cfg.uri.startswith("postgresql"))
+        or cfg.warehouse.startswith(("s3://", "s3a://"))
+        or settings.archive_uri.startswith(("s3://", "s3a://"))
+    )
+
+
+def spark_jars(settings: Settings) -> list[Path]:
+    """The jars given to Spark (``spark.jars``): the ``spark`` set, the ``spark-cloud`` set when
+    :func:`needs_cloud_jars`, and the project's own JVM functions."""
+    cloud = jars.jars(settings, "spark-cloud") if needs_cloud_jars(settings) else []
+    return [*jars.jars(settings, "spark"), *cloud, jars.udf_jar(settings)]
 
 
 LOG4J_CONFIG = Path(__file__).resolve().parent / "spark-log4j2.properties"

@@ -82,8 +82,10 @@ def kafka_command(ui: Ui, settings: Settings, action: str) -> int:
 @click.argument("action", type=click.Choice(["init"]))
 @with_ui
 def catalog_command(ui: Ui, settings: Settings, action: str) -> int:
-    """Create/show the Iceberg catalog and namespace."""
+    """Create/show the Iceberg catalog and namespace (and check S3 access when the warehouse
+    or the archive is on S3)."""
     cat = catalog.load(settings.catalog)
+    catalog.check_s3_access(settings)
     namespace = settings.catalog.namespace
     cat.create_namespace_if_not_exists(namespace)
     tables = [".".join(t) for t in cat.list_tables(namespace)]
