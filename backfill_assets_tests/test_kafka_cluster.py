@@ -27,7 +27,9 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
     ScramMechanism,
     UserScramCredentialUpsertion,
 )
+from pyspark.sql import SparkSession
 
+from backfill_assets.lake import replay
 from backfill_assets.lake.windows import scan
 from backfill_assets.ops import cli
 from backfill_assets.stack.kafka import KafkaClient
@@ -79,7 +81,7 @@ def _produce(
 
 
 def test_a_broker_killed_mid_produce_loses_nothing_that_was_flushed(
-    cluster: KafkaCluster,
+    cluster: KafkaCluster, spark_session: SparkSession
 ) -> None:
     topic = f"kill_{uuid.uuid4().hex[:8]}"
     _create_topic(cluster, topic)
@@ -108,6 +110,10 @@ def test_a_broker_killed_mid_produce_loses_nothing_that_was_flushed(
     windows = scan(kafka, topic, HOURS[0], HOURS[-1] + HOUR, seal_grace=timedelta(0))
     counted = {h: sum(c.records for c in windows.cells[h].values()) for h in windows.hours}
     assert counted == dict(delivered)
+    # Spark's Kafka source (Java client) reads the same ranges with KafkaSettings.spark_options:
+    # SCRAM-SHA-512 through JAAS, the PEM truststore; the session's Spark is classic local.
+    frame = replay._read_kafka(spark_session, cluster.settings, topic, windows.ranges)
+    assert frame.count() == 1200
 
     began = time.monotonic()
     cluster.cluster.restart(3)
