@@ -22,7 +22,9 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
     AdminClient,
+    ConfigResource,
     NewTopic,
+    ResourceType,
     ScramCredentialInfo,
     ScramMechanism,
     UserScramCredentialUpsertion,
@@ -58,7 +60,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaCluster]:
 
 def _create_topic(kc: KafkaCluster, topic: str, partitions: int = 3) -> None:
     admin = kc.admin()
-    admin.create_topics([NewTopic(topic, partitions, 3)])[topic].result()
+    # The cluster's defaults: replication factor 3, min.insync.replicas 2.
+    admin.create_topics([NewTopic(topic, partitions)])[topic].result()
     kc.allow("User:backfill", topic)
     kc.wait_authorized(topic)
 
@@ -96,6 +99,12 @@ def test_a_broker_killed_mid_produce_loses_nothing_that_was_flushed(
     delivered: Counter[Any] = Counter()
     failed: list[str] = []
     _produce(producer, topic, 600, 0, delivered, failed)
+    replicas = cluster.admin().list_topics(topic, timeout=20).topics[topic].partitions
+    assert [len(p.replicas) for p in replicas.values()] == [3, 3, 3]
+    admin = cluster.admin()
+    described = admin.describe_configs([ConfigResource(ResourceType.TOPIC, topic)])
+    configs = next(iter(described.values())).result()
+    assert configs["min.insync.replicas"].value == "2"
     victim = cluster.cluster.nodes[2]
     killed = victim.kill()  # SIGKILL while records of the first batch may still be in flight
     assert killed is not None

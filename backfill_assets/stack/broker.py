@@ -108,6 +108,9 @@ class LocalBroker:
     def start(self, timeout_s: float = 90.0) -> BrokerStatus:
         """Format storage if needed, start the broker, and wait until it answers metadata."""
         proc = self.launch()
+        if proc is None:  # ours already runs: wait for it, never stop it here
+            self.wait_ready(timeout_s)
+            return self.status()
         try:
             self.wait_ready(timeout_s, proc=proc)
         except BrokerError:
