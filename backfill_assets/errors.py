@@ -35,7 +35,7 @@ class SettingsError(BackfillError):
 class StackError(BackfillError):
     """The local stack (Java, jars, broker, catalog) is not in a usable state."""
 
-    kind = "unavailable"
+    kind: ClassVar[ErrorKind] = "unavailable"
 
 
 class JarResolutionError(StackError):
@@ -52,3 +52,10 @@ class GeneratorError(ArgumentError):
 
 class KafkaClientError(StackError):
     """Kafka refused or did not answer a metadata or offset request, or lacks the topic."""
+
+
+class KafkaAccessError(KafkaClientError):
+    """Kafka refused our credentials, or the topic is missing or not authorized for our user
+    (with ACLs, Kafka answers both the same way): a setting to fix, not an outage."""
+
+    kind: ClassVar[ErrorKind] = "usage"

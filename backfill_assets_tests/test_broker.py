@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from backfill_assets.errors import BrokerError
-from backfill_assets.stack.broker import LocalBroker, new_cluster_id
+from backfill_assets.errors import BrokerError, SettingsError
+from backfill_assets.stack.broker import LocalBroker, LocalKafkaCluster, new_cluster_id
 from backfill_assets.stack.settings import Settings
 
 
@@ -73,3 +73,50 @@ def test_cluster_ids_never_look_like_options() -> None:
     ids = [new_cluster_id() for _ in range(2000)]
     assert not any(i.startswith("-") for i in ids)
     assert all(len(i) == 22 for i in ids) and len(set(ids)) == len(ids)
+
+
+def _sasl_ssl_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    return {
+        "BACKFILL_HOME": str(tmp_path),
+        "BACKFILL_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+        "BACKFILL_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+        "BACKFILL_KAFKA_SASL_USERNAME": "backfill",
+        "BACKFILL_KAFKA_SASL_PASSWORD": "p@ss:w/rd#1",
+        **extra,
+    }
+
+
+def test_a_sasl_ssl_local_broker_names_its_missing_tls_files(tmp_path: Path) -> None:
+    settings = Settings.from_env(_sasl_ssl_env(tmp_path))
+    with pytest.raises(BrokerError, match=r"BACKFILL_KAFKA_SSL_KEYSTORE.*SSL_CA_LOCATION"):
+        LocalBroker(settings)._write_config()
+
+
+def test_a_keystore_that_is_not_a_file_names_its_variable(tmp_path: Path) -> None:
+    env = _sasl_ssl_env(tmp_path, BACKFILL_KAFKA_SSL_KEYSTORE=str(tmp_path / "nope.pem"))
+    with pytest.raises(SettingsError, match="BACKFILL_KAFKA_SSL_KEYSTORE"):
+        Settings.from_env(env)
+
+
+def test_cluster_nodes_get_own_dirs_ports_and_replicated_secure_config(tmp_path: Path) -> None:
+    (tmp_path / "ks.pem").write_text("x")
+    env = _sasl_ssl_env(
+        tmp_path,
+        BACKFILL_KAFKA_SSL_KEYSTORE=str(tmp_path / "ks.pem"),
+        BACKFILL_KAFKA_SSL_CA_LOCATION=str(tmp_path / "ks.pem"),
+    )
+    cluster = LocalKafkaCluster(Settings.from_env(env), [(30001, 30101), (30002, 30102)])
+    for node in cluster.nodes:
+        node._write_config()
+    one, two = (
+        dict(line.split("=", 1) for line in n.config_path.read_text().splitlines())
+        for n in cluster.nodes
+    )
+    assert cluster.nodes[1].dir == tmp_path / "kafka" / "node2"
+    assert two["node.id"] == "2" and two["listeners"].startswith("SASL_SSL://127.0.0.1:30002,")
+    assert one["controller.quorum.voters"] == "1@127.0.0.1:30101,2@127.0.0.1:30102"
+    assert (one["default.replication.factor"], one["min.insync.replicas"]) == ("2", "2")
+    assert one["listener.security.protocol.map"] == "SASL_SSL:SASL_SSL,CONTROLLER:SSL"
+    assert one["allow.everyone.if.no.acl.found"] == "false"
+    assert "p@ss" not in one["listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config"]
+    assert cluster.bootstrap == "127.0.0.1:30001,127.0.0.1:30002"

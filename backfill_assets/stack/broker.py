@@ -4,6 +4,10 @@ The broker runs from the jars resolved by :mod:`backfill_assets.stack.jars`, lis
 only, and keeps its log directories, config, PID file and log under ``<home>/kafka``.
 Formatting the KRaft storage happens once; ``start`` is a no-op when our broker already runs;
 ``stop`` signals only the PID this module started (checked against the process command line).
+
+:class:`LocalKafkaCluster` runs N such nodes (each broker and controller, one KRaft quorum),
+each in ``<home>/kafka/node<i>`` with its own ports, with replication factor 3 and
+``min.insync.replicas=2`` by default.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import base64
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -58,34 +63,72 @@ class BrokerStatus:
         return " ".join(parts)
 
 
-class LocalBroker:
-    """A single-node KRaft broker whose state lives in ``settings.kafka_data_dir``."""
+@dataclass(frozen=True)
+class Node:
+    """One node of a local cluster: its KRaft node id, client port and controller port."""
 
-    def __init__(self, settings: Settings) -> None:
+    node_id: int
+    port: int
+    controller_port: int
+
+
+# The inter-broker (and ACL-managing) SCRAM user of local SASL_SSL brokers; its password is
+# made at the first format and kept in <home>/kafka/admin.secret (mode 0600).
+ADMIN_USER = "kafka-admin"
+# The principal every certificate on the mTLS controller listener maps to (a super user).
+NODE_PRINCIPAL = "kafka-node"
+
+
+class LocalBroker:
+    """A KRaft node (broker and controller in one JVM). Alone (no ``node``) it is the
+    single-node broker whose state lives in ``settings.kafka_data_dir``; as ``node`` of
+    ``voters`` it is one node of a :class:`LocalKafkaCluster`."""
+
+    def __init__(
+        self, settings: Settings, node: Node | None = None, voters: tuple[Node, ...] = ()
+    ) -> None:
         self.settings = settings
-        self.dir = settings.kafka_data_dir
+        kafka = settings.kafka
+        self.node = node or Node(1, kafka.local_port, kafka.local_controller_port)
+        self.voters = voters or (self.node,)
+        self.clustered = node is not None
+        base = settings.kafka_data_dir
+        self.dir = base / f"node{self.node.node_id}" if self.clustered else base
         self.log_dirs = self.dir / "logs"
         self.config_path = self.dir / "server.properties"
         self.pid_path = self.dir / "broker.pid"
         self.log_path = self.dir / "broker.log"
+        self.admin_secret_path = base / "admin.secret"
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.settings.kafka.local_port}"
+        return f"127.0.0.1:{self.node.port}"
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, timeout_s: float = 90.0) -> BrokerStatus:
         """Format storage if needed, start the broker, and wait until it answers metadata."""
-        pid = self._running_pid()
-        if pid is not None:
+        proc = self.launch()
+        if proc is None:  # ours already runs: wait for it, never stop it here
             self.wait_ready(timeout_s)
             return self.status()
+        try:
+            self.wait_ready(timeout_s, proc=proc)
+        except BrokerError:
+            self.stop()
+            raise
+        return self.status()
+
+    def launch(self, cluster_id: str | None = None) -> subprocess.Popen[bytes] | None:
+        """Format storage if needed (with ``cluster_id``, default a new one) and start the
+        JVM without waiting for it; None if our node already runs."""
+        if self._running_pid() is not None:
+            return None
         java = _java()
         classpath = self._classpath()
-        for port in (self.settings.kafka.local_port, self.settings.kafka.local_controller_port):
+        for port in (self.node.port, self.node.controller_port):
             _require_free_port(port)
         self._write_config()
-        self._format(java, classpath)
+        self._format(java, classpath, cluster_id or new_cluster_id())
         env = {**os.environ, "KAFKA_HEAP_OPTS": ""}
         with self.log_path.open("ab") as log:
             proc = subprocess.Popen(
@@ -107,12 +150,7 @@ class LocalBroker:
                 env=env,
             )
         self.pid_path.write_text(f"{proc.pid}\n")
-        try:
-            self.wait_ready(timeout_s, proc=proc)
-        except BrokerError:
-            self.stop()
-            raise
-        return self.status()
+        return proc
 
     def stop(self, timeout_s: float = 30.0) -> bool:
         """Stop the broker this module started (SIGTERM, then SIGKILL). True if one was running."""
@@ -120,16 +158,19 @@ class LocalBroker:
         if pid is None:
             self.pid_path.unlink(missing_ok=True)
             return False
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and _alive(pid):
-            time.sleep(0.2)
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
-            while _alive(pid):
-                time.sleep(0.1)
+        _terminate([pid], timeout_s)
         self.pid_path.unlink(missing_ok=True)
         return True
+
+    def kill(self) -> int | None:
+        """SIGKILL our node at once (a crash, for fault tests); its PID, or None."""
+        pid = self._running_pid()
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            while _alive(pid):
+                time.sleep(0.05)
+        self.pid_path.unlink(missing_ok=True)
+        return pid
 
     def status(self) -> BrokerStatus:
         pid = self._running_pid()
@@ -232,13 +273,13 @@ class LocalBroker:
         return os.pathsep.join(str(p) for p in found)
 
     def _write_config(self) -> None:
-        port = self.settings.kafka.local_port
-        cport = self.settings.kafka.local_controller_port
+        port, cport = self.node.port, self.node.controller_port
         self.log_dirs.mkdir(parents=True, exist_ok=True)
+        voters = ",".join(f"{v.node_id}@127.0.0.1:{v.controller_port}" for v in self.voters)
         lines = {
             "process.roles": "broker,controller",
-            "node.id": "1",
-            "controller.quorum.voters": f"1@127.0.0.1:{cport}",
+            "node.id": str(self.node.node_id),
+            "controller.quorum.voters": voters,
             "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{cport}",
             "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
             "controller.listener.names": "CONTROLLER",
@@ -260,6 +301,8 @@ class LocalBroker:
             "log.retention.check.interval.ms": "10000",
             "auto.create.topics.enable": "false",
         }
+        if self.clustered:
+            lines.update(_replication(len(self.voters)))
         lines.update(self._sasl_config())
         text = "".join(f"{k}={_properties_escape(v)}\n" for k, v in lines.items())
         self.config_path.touch(mode=0o600)
@@ -272,6 +315,8 @@ class LocalBroker:
         kafka = self.settings.kafka
         if kafka.security_protocol == "PLAINTEXT":
             return {}
+        if kafka.security_protocol == "SASL_SSL":
+            return self._scram_tls_config()
         user, password = kafka.sasl_username, kafka.sasl_password
         if (
             kafka.security_protocol != "SASL_PLAINTEXT"
@@ -280,13 +325,9 @@ class LocalBroker:
             or password is None
             or not re.fullmatch(r"[A-Za-z0-9._-]+", user)
         ):
-            raise BrokerError(
-                "the local broker supports BACKFILL_KAFKA_SECURITY_PROTOCOL=PLAINTEXT, or "
-                "SASL_PLAINTEXT with BACKFILL_KAFKA_SASL_MECHANISM=PLAIN and a "
-                "BACKFILL_KAFKA_SASL_USERNAME (letters, digits, . _ -) and _PASSWORD; got "
-                f"{kafka.security_protocol}/{kafka.sasl_mechanism}"
-            )
-        port, cport = kafka.local_port, kafka.local_controller_port
+            got = f"{kafka.security_protocol}/{kafka.sasl_mechanism}"
+            raise BrokerError(f"{_UNSUPPORTED}; got {got}")
+        port, cport = self.node.port, self.node.controller_port
         jaas = (
             "org.apache.kafka.common.security.plain.PlainLoginModule required "
             f"username={jaas_quote(user)} password={jaas_quote(password)} "
@@ -302,10 +343,93 @@ class LocalBroker:
             "listener.name.sasl_plaintext.plain.sasl.jaas.config": jaas,
         }
 
-    def _format(self, java: str, classpath: str) -> None:
+    def _scram_tls_config(self) -> dict[str, str]:
+        """SASL_SSL + SCRAM: clients and brokers authenticate as SCRAM users on the client
+        listener (TLS with the keystore's certificate); controllers authenticate each other by
+        certificate (mTLS) on the controller listener. The StandardAuthorizer denies what no
+        ACL allows, except to the inter-broker admin and the nodes' certificates."""
+        kafka = self.settings.kafka
+        mechanism = kafka.sasl_mechanism or ""
+        user = kafka.sasl_username
+        if not mechanism.startswith("SCRAM-") or user is None or kafka.sasl_password is None:
+            raise BrokerError(_UNSUPPORTED + f"; got SASL_SSL/{mechanism}")
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", user) or user == ADMIN_USER:
+            raise BrokerError(
+                f"BACKFILL_KAFKA_SASL_USERNAME={user!r}: the local broker needs letters, digits "
+                f"and . _ - only, other than its own {ADMIN_USER!r}"
+            )
+        if kafka.local_ssl_keystore is None or kafka.ssl_ca_location is None:
+            raise BrokerError(
+                "a SASL_SSL local broker needs BACKFILL_KAFKA_SSL_KEYSTORE (its PEM key and "
+                "certificate) and BACKFILL_KAFKA_SSL_CA_LOCATION (the CA that signed it)"
+            )
+        port, cport = self.node.port, self.node.controller_port
+        jaas = (
+            "org.apache.kafka.common.security.scram.ScramLoginModule required "
+            f"username={jaas_quote(ADMIN_USER)} password={jaas_quote(self._admin_password())};"
+        )
+        return {
+            "listeners": f"SASL_SSL://127.0.0.1:{port},CONTROLLER://127.0.0.1:{cport}",
+            "advertised.listeners": f"SASL_SSL://127.0.0.1:{port}",
+            "inter.broker.listener.name": "SASL_SSL",
+            "listener.security.protocol.map": "SASL_SSL:SASL_SSL,CONTROLLER:SSL",
+            "sasl.enabled.mechanisms": mechanism,
+            "sasl.mechanism.inter.broker.protocol": mechanism,
+            f"listener.name.sasl_ssl.{mechanism.lower()}.sasl.jaas.config": jaas,
+            "ssl.keystore.type": "PEM",
+            "ssl.keystore.location": kafka.local_ssl_keystore,
+            "ssl.truststore.type": "PEM",
+            "ssl.truststore.location": kafka.ssl_ca_location,
+            "listener.name.controller.ssl.client.auth": "required",
+            # Only the controller listener authenticates by certificate: any certificate its
+            # truststore's CA signed is a node.
+            "ssl.principal.mapping.rules": f"RULE:^.*$/{NODE_PRINCIPAL}/",
+            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            "super.users": f"User:{ADMIN_USER};User:{NODE_PRINCIPAL}",
+            "allow.everyone.if.no.acl.found": "false",
+        }
+
+    def _admin_password(self) -> str:
+        """The inter-broker admin's SCRAM password, made once per local stack (0600 file)."""
+        try:
+            return self.admin_secret_path.read_text().strip()
+        except FileNotFoundError:
+            pass
+        self.admin_secret_path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.admin_secret_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_urlsafe(24) + "\n")
+        return self.admin_secret_path.read_text().strip()
+
+    def admin_config(self) -> dict[str, str | int | float | bool]:
+        """librdkafka settings of the inter-broker admin (a super user), for setting ACLs."""
+        return {
+            **self.settings.kafka.client_config(),
+            "sasl.username": ADMIN_USER,
+            "sasl.password": self._admin_password(),
+        }
+
+    def _scram_users(self) -> list[str]:
+        """``--add-scram`` arguments of the storage tool: the admin and the settings' user."""
+        kafka = self.settings.kafka
+        if kafka.security_protocol != "SASL_SSL" or kafka.sasl_mechanism is None:
+            return []
+        users = [(ADMIN_USER, self._admin_password())]
+        if kafka.sasl_username is not None and kafka.sasl_password is not None:
+            if re.search(r'["\\\]]', kafka.sasl_password):
+                raise BrokerError(
+                    "BACKFILL_KAFKA_SASL_PASSWORD: the local broker's SCRAM set-up cannot take "
+                    'a password with " \\ or ]'
+                )
+            users.append((kafka.sasl_username, kafka.sasl_password))
+        args = []
+        for name, password in users:
+            args += ["--add-scram", f'{kafka.sasl_mechanism}=[name={name},password="{password}"]']
+        return args
+
+    def _format(self, java: str, classpath: str, cluster_id: str) -> None:
         if (self.log_dirs / "meta.properties").exists():
             return
-        cluster_id = new_cluster_id()
         proc = subprocess.run(
             [
                 java,
@@ -318,6 +442,7 @@ class LocalBroker:
                 cluster_id,
                 "-c",
                 str(self.config_path),
+                *self._scram_users(),
             ],
             capture_output=True,
             text=True,
@@ -325,10 +450,17 @@ class LocalBroker:
             timeout=120,
         )
         if proc.returncode != 0:
-            raise BrokerError(
-                f"formatting KRaft storage in {self.log_dirs} failed: "
-                f"{(proc.stdout + proc.stderr).strip()[-800:]}"
-            )
+            out = (proc.stdout + proc.stderr).strip()[-800:]
+            for secret in (self.settings.kafka.sasl_password, self._admin_secret_if_any()):
+                if secret:
+                    out = out.replace(secret, "***")
+            raise BrokerError(f"formatting KRaft storage in {self.log_dirs} failed: {out}")
+
+    def _admin_secret_if_any(self) -> str | None:
+        try:
+            return self.admin_secret_path.read_text().strip()
+        except FileNotFoundError:
+            return None
 
     def _running_pid(self) -> int | None:
         """The PID from our PID file if that process is alive and is our broker."""
@@ -352,6 +484,85 @@ class LocalBroker:
         except FileNotFoundError:
             return "(no log written)"
         return "\n".join(text[-lines:])
+
+
+_UNSUPPORTED = (
+    "the local broker supports BACKFILL_KAFKA_SECURITY_PROTOCOL=PLAINTEXT; SASL_PLAINTEXT with "
+    "BACKFILL_KAFKA_SASL_MECHANISM=PLAIN; or SASL_SSL with SCRAM-SHA-256/SCRAM-SHA-512; each "
+    "with a BACKFILL_KAFKA_SASL_USERNAME (letters, digits, . _ -) and _PASSWORD"
+)
+
+
+def _replication(nodes: int) -> dict[str, str]:
+    """Topic defaults of an N-node cluster: every record on up to 3 nodes, acknowledged by 2."""
+    factor = str(min(nodes, 3))
+    min_isr = str(min(nodes, 2))
+    return {
+        "default.replication.factor": factor,
+        "min.insync.replicas": min_isr,
+        "offsets.topic.replication.factor": factor,
+        "transaction.state.log.replication.factor": factor,
+        "transaction.state.log.min.isr": min_isr,
+        "share.coordinator.state.topic.replication.factor": factor,
+        "share.coordinator.state.topic.min.isr": min_isr,
+    }
+
+
+def _terminate(pids: list[int], timeout_s: float) -> None:
+    """SIGTERM ``pids``, wait up to ``timeout_s`` for them all, then SIGKILL the rest (a node
+    whose peers are gone can wait forever in controlled shutdown)."""
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            while _alive(pid):
+                time.sleep(0.1)
+
+
+class LocalKafkaCluster:
+    """N local KRaft nodes, each broker and controller, on the given ports, one quorum."""
+
+    def __init__(self, settings: Settings, ports: list[tuple[int, int]]) -> None:
+        nodes = tuple(Node(i, p, c) for i, (p, c) in enumerate(ports, start=1))
+        self.settings = settings
+        self.nodes = [LocalBroker(settings, n, nodes) for n in nodes]
+        self.cluster_id_path = settings.kafka_data_dir / "cluster.id"
+
+    @property
+    def bootstrap(self) -> str:
+        return ",".join(b.bootstrap for b in self.nodes)
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Start every node (formatting each with one cluster id), wait until all answer."""
+        if not self.cluster_id_path.exists():
+            self.cluster_id_path.parent.mkdir(parents=True, exist_ok=True)
+            self.cluster_id_path.write_text(new_cluster_id() + "\n")
+        cluster_id = self.cluster_id_path.read_text().strip()
+        try:
+            procs = [b.launch(cluster_id) for b in self.nodes]
+            deadline = time.monotonic() + timeout_s
+            for broker, proc in zip(self.nodes, procs, strict=True):
+                broker.wait_ready(max(deadline - time.monotonic(), 1.0), proc=proc)
+        except BrokerError:
+            self.stop()
+            raise
+
+    def restart(self, node_id: int, timeout_s: float = 90.0) -> None:
+        """Start one (killed or stopped) node again and wait until it answers."""
+        broker = self.nodes[node_id - 1]
+        broker.wait_ready(timeout_s, proc=broker.launch(self.cluster_id_path.read_text().strip()))
+
+    def stop(self, timeout_s: float = 20.0) -> int:
+        """Stop every node of ours (SIGTERM together, SIGKILL after ``timeout_s``); how many."""
+        pids = [p for p in (b._running_pid() for b in self.nodes) if p is not None]
+        _terminate(pids, timeout_s)
+        for broker in self.nodes:
+            broker.pid_path.unlink(missing_ok=True)
+        return len(pids)
 
 
 def _properties_escape(value: str) -> str:

@@ -17,8 +17,8 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from backfill_assets.errors import KafkaClientError
-from backfill_assets.stack.settings import Settings
+from backfill_assets.errors import KafkaAccessError, KafkaClientError
+from backfill_assets.stack.settings import KafkaSettings, Settings
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class KafkaClient:
                 admin.poll(0)  # serves error_cb: authentication errors arrive there
                 auth = [e for e in errors if e.code() == KafkaError._AUTHENTICATION]
                 if auth:
-                    raise KafkaClientError(
+                    raise KafkaAccessError(
                         f"Kafka at {bootstrap} rejected authentication: {auth[0].str()}. Check "
                         "BACKFILL_KAFKA_SASL_USERNAME, BACKFILL_KAFKA_SASL_PASSWORD and "
                         "BACKFILL_KAFKA_SASL_MECHANISM"
@@ -128,9 +128,7 @@ class KafkaClient:
                     ) from None
         info = meta.topics.get(topic)
         if info is None or info.error is not None:
-            raise KafkaClientError(
-                f"Kafka topic {topic!r} does not exist at {self.settings.kafka.bootstrap_servers}"
-            )
+            raise _missing_topic(self.settings.kafka, topic)
         return admin, meta, info
 
     def topic_identity(self, topic: str) -> TopicIdentity:
@@ -218,6 +216,19 @@ class KafkaClient:
             }
         finally:
             consumer.close()
+
+
+def _missing_topic(kafka: KafkaSettings, topic: str) -> KafkaClientError:
+    """The error for a topic the metadata does not hold. With SASL, Kafka hides a topic the
+    user may not describe exactly as a missing one, so the message names both causes."""
+    where = kafka.bootstrap_servers
+    if kafka.sasl_username is None:
+        return KafkaClientError(f"Kafka topic {topic!r} does not exist at {where}")
+    return KafkaAccessError(
+        f"Kafka topic {topic!r} is missing or not authorized for user {kafka.sasl_username!r} "
+        f"at {where}: the topic does not exist, or BACKFILL_KAFKA_SASL_USERNAME has no ACL "
+        "allowing it to describe and read the topic"
+    )
 
 
 def client_log(settings: Settings) -> logging.Logger:

@@ -58,6 +58,10 @@ class KafkaSettings:
     local_port: int = 19092
     local_controller_port: int = 19093
     local_heap: str = "512m"
+    # The local brokers' own TLS key and certificate (PEM: unencrypted PKCS#8 key, certificate,
+    # CA chain), for BACKFILL_KAFKA_SECURITY_PROTOCOL=SASL_SSL; their truststore is
+    # ssl_ca_location. Clients never read it.
+    local_ssl_keystore: str | None = None
 
     def client_config(self) -> dict[str, str | int | float | bool]:
         """librdkafka (confluent-kafka) settings, secrets included: never log the result."""
@@ -452,7 +456,21 @@ def _kafka_settings(env: Mapping[str, str]) -> KafkaSettings:
         local_port=port,
         local_controller_port=controller_port,
         local_heap=env.get("BACKFILL_KAFKA_HEAP", "512m"),
+        **_local_broker_tls(env),
     )
+
+
+def _local_broker_tls(env: Mapping[str, str]) -> dict[str, str]:
+    """The local brokers' TLS files (BACKFILL_KAFKA_SSL_KEYSTORE), checked to exist."""
+    keystore = env.get("BACKFILL_KAFKA_SSL_KEYSTORE")
+    if keystore is None:
+        return {}
+    if not Path(keystore).is_file():
+        raise SettingsError(
+            f"BACKFILL_KAFKA_SSL_KEYSTORE={keystore!r} is not a file; it must be a PEM file "
+            "holding the local broker's private key (unencrypted PKCS#8), certificate and CA"
+        )
+    return {"local_ssl_keystore": str(Path(keystore).resolve())}
 
 
 def _catalog_settings(env: Mapping[str, str], home: Path) -> CatalogSettings:
