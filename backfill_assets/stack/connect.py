@@ -240,7 +240,7 @@ class LocalConnectServer:
                     f"the Spark Connect server exited with code {proc.returncode} during "
                     f"start-up. Last lines of its output:\n{self.log_tail()}"
                 )
-            if _port_open("127.0.0.1", self.port, 1.0) and probe(self.url, 10.0) is not None:
+            if port_open("127.0.0.1", self.port, 1.0) and probe(self.url, 10.0) is not None:
                 return
             time.sleep(0.5)
         raise ConnectError(
@@ -283,7 +283,7 @@ def probe(url: str, timeout_s: float) -> str | None:
     from pyspark.sql.connect.session import SparkSession as RemoteSession
 
     host, port = endpoint(url)
-    if not _port_open(host, port, min(timeout_s, 3.0)):
+    if not port_open(host, port, min(timeout_s, 3.0)):
         return None
     session = RemoteSession.builder.remote(url).create()
     try:
@@ -322,7 +322,7 @@ def spark_home() -> Path:
     return Path(found.origin).parent
 
 
-def _port_open(host: str, port: int, timeout_s: float) -> bool:
+def port_open(host: str, port: int, timeout_s: float) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
             return True
