@@ -20,6 +20,7 @@ before the services start: a Spark session started alone in a fresh process (imp
 Run from the repository root (jars resolved by scripts/bootstrap.sh):
     .venv/bin/python bench/latency.py                      # the repository's dagster.yaml
     .venv/bin/python bench/latency.py --dagster-yaml OTHER.yaml
+    .venv/bin/python bench/latency.py --connect            # runs as Spark Connect thin clients
 Timings on a shared 2-core machine are noisy: compare runs of the same invocation or load.
 """
 
@@ -285,6 +286,12 @@ def main() -> None:
         help="launch each hour as a backfill object (backfill-assets backfill --as-backfill), "
         "not as one run",
     )
+    parser.add_argument(
+        "--connect",
+        action="store_true",
+        help="runs are thin clients of a warm local Spark Connect server (started here, as "
+        "`stack up` does, before the services; BACKFILL_SPARK_CONNECT in their environment)",
+    )
     parser.add_argument("--seed", type=int, default=13)
     parser.add_argument("--keep", action="store_true", help="keep the temporary home")
     parser.add_argument("--dump", action="store_true", help="print every event of each run")
@@ -319,8 +326,17 @@ def main() -> None:
     jars.resolve_all(settings)
     broker = LocalBroker(settings)
     broker.start()
+    server = None
     rows: list[dict[str, Any]] = []
     try:
+        if args.connect:
+            from backfill_assets.stack.connect import LocalConnectServer
+
+            os.environ["BACKFILL_SPARK_CONNECT_PORT"] = str(free_port())
+            server = LocalConnectServer(Settings.from_env())
+            began = time.monotonic()
+            print(server.start().describe(), f"(started in {time.monotonic() - began:.1f} s)")
+            os.environ["BACKFILL_SPARK_CONNECT"] = server.url
         spec = next(s for s in SPECS if s.topic == "orders")
         tables = [spec.raw_table, spec.current_table, *(t.name for t in spec.tables)]
         generate(
@@ -400,6 +416,8 @@ def main() -> None:
         for name, what in PHASES:
             print(f"  {name}: {what}")
     finally:
+        if server is not None:
+            server.stop()
         broker.stop()
         if args.keep:
             print(f"kept {home}")

@@ -2,8 +2,8 @@
 # The README's demo command: install, start the local stack, write demo history, run a first
 # backfill, then serve the Dagster UI (webserver + daemon) on 127.0.0.1:3000 until Ctrl-C.
 # Safe to run again: every step skips work that is already done. One Ctrl-C (or SIGTERM) stops
-# everything the demo serves, runs included, within 30 s; the Kafka broker keeps running
-# (`backfill-assets stack down` stops it). State lives under $BACKFILL_HOME (default .stack).
+# everything the demo serves, runs included, within 30 s; the Kafka broker and the Spark Connect
+# server keep running (`backfill-assets stack down` stops them). State lives under $BACKFILL_HOME (default .stack).
 set -euo pipefail
 
 # A signal ignored when bash starts can be neither trapped nor reset, and stays ignored in every
@@ -29,6 +29,9 @@ hours="${DEMO_HOURS:-48}"
 truth="$home/demo/orders.ground-truth.json"
 
 $cli stack up
+# Runs (the first backfill below, and every run the daemon launches) are thin clients of the
+# warm Spark Connect server `stack up` started: no run starts a JVM of its own.
+export BACKFILL_SPARK_CONNECT="${BACKFILL_SPARK_CONNECT:-sc://127.0.0.1:${BACKFILL_SPARK_CONNECT_PORT:-15002}}"
 $cli catalog init
 if [ ! -f "$truth" ]; then
   $cli generate --topic orders --hours "$hours" --events-per-hour "${DEMO_RATE:-600}"

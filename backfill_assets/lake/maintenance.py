@@ -41,6 +41,7 @@ from pyiceberg.table.refs import SnapshotRefType
 from backfill_assets.errors import BackfillError
 from backfill_assets.lake import audit, ledger, wap
 from backfill_assets.stack import catalog as catalog_mod
+from backfill_assets.stack import spark as spark_mod
 from backfill_assets.stack.settings import MaintenanceSettings, Settings
 
 if TYPE_CHECKING:
@@ -417,18 +418,38 @@ class _Pass:
     def remove_orphans(self) -> None:
         rep = self._rep("remove_orphans")
         older_than = _ms(min(self.now, datetime.now(UTC)) - self.opts.orphan_retention)
+        if spark_mod.is_connect(self.spark):
+            removed = self._remove_orphans_procedure(older_than)
+        else:
+            removed = self._remove_orphans_action(older_than)
+        rep.counts["orphan_files_removed"] = len(removed)
+        rep.items = removed[:50]
+
+    def _remove_orphans_procedure(self, older_than: int) -> list[str]:
+        """Over Spark Connect (no JVM handle in the client): the ``remove_orphan_files``
+        procedure, which refuses retentions under 24 h (as the settings do; only a caller
+        passing shorter options to a quiet table gets that error)."""
+        cat_name = self.name.split(".", 1)[0]
+        stamp = datetime.fromtimestamp(older_than / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+        rows = self.spark.sql(
+            f"CALL {cat_name}.system.remove_orphan_files(table => '{self.name}', "
+            f"older_than => TIMESTAMP '{stamp}')"
+        ).collect()
+        return [str(r["orphan_file_location"]) for r in rows]
+
+    def _remove_orphans_action(self, older_than: int) -> list[str]:
+        """In-process Spark: Iceberg's Action API, which takes any retention (tests with a
+        quiet table use shorter ones than the procedure allows)."""
         jvm = self.spark.sparkContext._jvm
         assert jvm is not None
-        # The Action API: the procedure refuses retentions under 24 h, which the settings
-        # already refuse; tests with a quiet table use shorter ones.
-        jtable = wap._java_table(self.spark, self.name)
+        jtable = jvm.org.apache.iceberg.spark.Spark3Util.loadIcebergTable(
+            self.spark._jsparkSession, self.name
+        )
         action = jvm.org.apache.iceberg.spark.actions.SparkActions.get(
             self.spark._jsparkSession
         ).deleteOrphanFiles(jtable)
         result = action.olderThan(older_than).execute()
-        removed = [str(p) for p in result.orphanFileLocations()]
-        rep.counts["orphan_files_removed"] = len(removed)
-        rep.items = removed[:50]
+        return [str(p) for p in result.orphanFileLocations()]
 
 
 def _audit(

@@ -16,15 +16,20 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from backfill_assets.errors import BackfillError
+from backfill_assets.stack import catalog as catalog_mod
 from backfill_assets.stack.faults import failpoint
+from backfill_assets.stack.settings import CatalogSettings, Settings
 
 if TYPE_CHECKING:
+    from pyiceberg.catalog import Catalog
+    from pyiceberg.table import Table
     from pyspark.sql import SparkSession
 
 SUMMARY_PREFIX = "backfill."
@@ -63,7 +68,7 @@ def open_branch(spark: SparkSession, table: str, run_id: str, attempt: int = 0) 
     """
     main_before = ref_snapshot_id(spark, table, "main")
     if main_before is None:
-        _java_table(spark, table).newFastAppend().set(SUMMARY_PREFIX + "init", "true").commit()
+        _empty_commit(table, "main", {SUMMARY_PREFIX + "init": "true"}, only_if_absent=True)
         main_before = ref_snapshot_id(spark, table, "main")
     name = branch_name(run_id, attempt)
     ref_sql(
@@ -87,15 +92,12 @@ def publish(
     the branch is kept for inspection; on success the branch is dropped (its snapshots stay in
     main's history).
     """
-    jtable = _java_table(spark, branch.table)
-    commit = jtable.newFastAppend().toBranch(branch.name)
-    for key, value in summary.items():
-        commit = commit.set(SUMMARY_PREFIX + key, value)
-    commit = commit.set(SUMMARY_PREFIX + "published", "true")
+    props = {SUMMARY_PREFIX + key: value for key, value in summary.items()}
+    props[SUMMARY_PREFIX + "published"] = "true"
     main_now = ref_snapshot_id(spark, branch.table, "main")
     if main_now != branch.main_before:
         _moved(spark, branch, main_now, window)
-    commit.commit()
+    _empty_commit(branch.table, branch.name, props)
     failpoint("branch_committed")
     catalog_name = branch.table.split(".", 1)[0]
     try:
@@ -228,21 +230,23 @@ def drop_published_leftovers(spark: SparkSession, table: str) -> list[str]:
 
 def ref_snapshot_id(spark: SparkSession, table: str, ref: str) -> int | None:
     """The snapshot ``ref`` of ``table`` points at now (None if there is no such ref), from
-    the table's current metadata (the catalog caches none), through Iceberg's Java API: a
-    query of the ``refs`` metadata table costs a fresh process ~0.2 s of Spark planning."""
-    found = _java_table(spark, table).refs().get(ref)
-    return None if found is None else int(found.snapshotId())
+    the table's current metadata in the catalog (read by pyiceberg: no Spark planning, which
+    a query of the ``refs`` metadata table costs a fresh process, ~0.2 s, and no JVM call, so
+    a Spark Connect session works as a classic one)."""
+    found = _iceberg_table(table).metadata.refs.get(ref)
+    return None if found is None else int(found.snapshot_id)
 
 
 def ref_snapshot(spark: SparkSession, table: str, ref: str) -> tuple[int, int] | None:
     """(snapshot id, sequence number) of the snapshot ``ref`` of ``table`` points at now, None
     if the table has no such ref."""
-    jtable = _java_table(spark, table)
-    found = jtable.refs().get(ref)
+    meta = _iceberg_table(table).metadata
+    found = meta.refs.get(ref)
     if found is None:
         return None
-    snap_id = int(found.snapshotId())
-    return snap_id, int(jtable.snapshot(snap_id).sequenceNumber())
+    snap = meta.snapshot_by_id(found.snapshot_id)
+    assert snap is not None
+    return int(found.snapshot_id), int(snap.sequence_number or 0)
 
 
 def main_summary(spark: SparkSession, table: str) -> dict[str, str]:
@@ -254,7 +258,37 @@ def main_summary(spark: SparkSession, table: str) -> dict[str, str]:
     return dict(row[0]) if row is not None else {}
 
 
-def _java_table(spark: SparkSession, table: str) -> Any:
-    jvm = spark.sparkContext._jvm
-    assert jvm is not None
-    return jvm.org.apache.iceberg.spark.Spark3Util.loadIcebergTable(spark._jsparkSession, table)
+def _empty_commit(
+    table: str, ref: str, properties: dict[str, str], only_if_absent: bool = False
+) -> None:
+    """One snapshot without data files on branch ``ref`` whose summary carries
+    ``properties``: an atomic catalog commit through pyiceberg (the same catalog Spark
+    writes through). A commit refused because another writer committed to the table first
+    (its own branch, say) is retried on the fresh metadata; with ``only_if_absent`` nothing is
+    committed once ``ref`` exists (another run made the init commit)."""
+    from pyiceberg.exceptions import CommitFailedException
+
+    for attempt in range(5):
+        tbl = _iceberg_table(table)
+        if only_if_absent and ref in tbl.metadata.refs:
+            return
+        empty = tbl.schema().as_arrow().empty_table()
+        try:
+            tbl.append(empty, snapshot_properties=properties, branch=ref)
+            return
+        except CommitFailedException:
+            if attempt == 4:
+                raise
+            time.sleep(0.1 * (attempt + 1))
+
+
+def _iceberg_table(table: str) -> Table:
+    """``catalog.namespace.table`` (Spark's name) loaded by pyiceberg from the catalog of the
+    process's settings: always the catalog's current metadata."""
+    settings = Settings.from_env()
+    return _catalog(settings.catalog).load_table(table.split(".", 1)[1])
+
+
+@functools.lru_cache(maxsize=4)
+def _catalog(cfg: CatalogSettings) -> Catalog:
+    return catalog_mod.load(cfg)

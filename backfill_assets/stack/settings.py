@@ -224,6 +224,11 @@ class Settings:
     # ``in_process``, one process and one Spark session per run; ``multiprocess``, Dagster's
     # default, a process and a Spark session per step.
     run_executor: RunExecutor = "in_process"
+    # Spark Connect (issue 27): the ``sc://host:port`` endpoint runs use as thin clients
+    # (BACKFILL_SPARK_CONNECT; None: classic in-process Spark), and the port of the local server
+    # ``stack up`` starts (BACKFILL_SPARK_CONNECT_PORT).
+    spark_connect: str | None = None
+    spark_connect_port: int = 15002
 
     def with_secrets(
         self,
@@ -297,6 +302,8 @@ class Settings:
             spec_path=Path(env["BACKFILL_SPEC"]).resolve() if env.get("BACKFILL_SPEC") else None,
             maintenance=_maintenance(env),
             run_executor=_run_executor(env),
+            spark_connect=_spark_connect(env),
+            spark_connect_port=_port(env, "BACKFILL_SPARK_CONNECT_PORT", 15002),
         )
 
 
@@ -315,6 +322,30 @@ def secrets_set(environ: Mapping[str, str] | None = None) -> frozenset[str]:
     their values are not returned."""
     env = os.environ if environ is None else environ
     return frozenset(name for name in SECRET_VARS if name in env)
+
+
+# --- Spark Connect (issue 27) -------------------------------------------------------------
+def _spark_connect(env: Mapping[str, str]) -> str | None:
+    """``BACKFILL_SPARK_CONNECT``: ``sc://host:port`` (optionally ``/;token=...`` and other
+    parameters); unset or empty means classic in-process Spark."""
+    name = "BACKFILL_SPARK_CONNECT"
+    raw = (env.get(name) or "").strip()
+    if not raw:
+        return None
+    match = re.fullmatch(r"sc://([^:/;]+)(?::(\d+))?(/.*)?", raw)
+    if match is None or (match.group(2) is not None and not 0 < int(match.group(2)) < 65536):
+        raise SettingsError(
+            f"{name} must be a Spark Connect URL sc://HOST:PORT (e.g. sc://127.0.0.1:15002), "
+            "or unset for in-process Spark"
+        )
+    return raw
+
+
+def _port(env: Mapping[str, str], name: str, default: int) -> int:
+    value = _int(env, name, default)
+    if value > 65535:
+        raise SettingsError(f"{name}={value} is not a TCP port (1 to 65535)")
+    return value
 
 
 def _maintenance(env: Mapping[str, str]) -> MaintenanceSettings:

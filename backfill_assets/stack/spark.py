@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from backfill_assets.errors import SettingsError
 from backfill_assets.stack import catalog, cds, jars
 from backfill_assets.stack.settings import Settings
 
@@ -36,14 +37,12 @@ def spark_config(settings: Settings, extra: Mapping[str, object] | None = None) 
         "spark.sql.extensions": (
             "org.apache.iceberg.spark.extensions.IcebergSparkSessionExtensions"
         ),
-        "spark.sql.session.timeZone": "UTC",
-        "spark.sql.shuffle.partitions": str(settings.spark_shuffle_partitions),
+        **_session_sql(settings),
         "spark.driver.memory": settings.spark_driver_memory,
         "spark.executor.memory": settings.spark_executor_memory or "",
         "spark.executor.cores": (
             str(settings.spark_executor_cores) if settings.spark_executor_cores else ""
         ),
-        "spark.sql.adaptive.enabled": "true",
         "spark.ui.showConsoleProgress": "false",
         # Local runs bind the UI and driver to loopback only.
         "spark.driver.host": "127.0.0.1" if local else "",
@@ -94,6 +93,16 @@ def spark_jars(settings: Settings) -> list[Path]:
     :func:`needs_cloud_jars`, and the project's own JVM functions."""
     cloud = jars.jars(settings, "spark-cloud") if needs_cloud_jars(settings) else []
     return [*jars.jars(settings, "spark"), *cloud, jars.udf_jar(settings)]
+
+
+def _session_sql(settings: Settings) -> dict[str, str]:
+    """The per-session SQL settings: in the classic builder, and what a Spark Connect client
+    sends (:func:`connect_session`)."""
+    return {
+        "spark.sql.session.timeZone": "UTC",
+        "spark.sql.shuffle.partitions": str(settings.spark_shuffle_partitions),
+        "spark.sql.adaptive.enabled": "true",
+    }
 
 
 LOG4J_CONFIG = Path(__file__).resolve().parent / "spark-log4j2.properties"
@@ -156,6 +165,8 @@ def get_session(settings: Settings, extra: Mapping[str, object] | None = None) -
     # catalog passwords would land in any DEBUG log. Never let it go below INFO.
     logging.getLogger("py4j").setLevel(logging.INFO)
     catalog.init_local_catalog(settings.catalog)
+    if settings.spark_connect:
+        return connect_session(settings, extra)
     if settings.spark_master.startswith("local"):
         # PySpark picks the worker interpreter from PYSPARK_PYTHON when the context starts.
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -206,3 +217,97 @@ def _warn_fixed_settings(session: SparkSession, conf: Mapping[str, str]) -> None
             "process) to apply them",
             detail,
         )
+
+
+# --- Spark Connect (issue 27) ---------------------------------------------------------------
+# Static SQL settings belong to the server (its properties file, or the remote endpoint's own
+# configuration); a client may only change the per-session ones.
+_SERVER_SQL = ("spark.sql.extensions", "spark.sql.catalog.", "spark.sql.warehouse.dir")
+_connect_sessions: dict[str, SparkSession] = {}
+
+
+def is_connect(session: SparkSession) -> bool:
+    """Whether ``session`` is a Spark Connect client (no JVM handle: ``sparkContext``,
+    ``_jvm`` and ``_jsparkSession`` are not there)."""
+    return type(session).__module__.startswith("pyspark.sql.connect")
+
+
+class SparkConnectError(SettingsError):
+    """BACKFILL_SPARK_CONNECT names an endpoint that does not answer as Spark Connect."""
+
+
+def session_confs(conf: Mapping[str, str]) -> dict[str, str]:
+    """The settings a Spark Connect client sends: per-session ``spark.sql.*`` ones only (core
+    and static settings, and the catalog with its secrets, are fixed by the server)."""
+    return {
+        k: v
+        for k, v in conf.items()
+        if k.startswith("spark.sql.") and not k.startswith(_SERVER_SQL)
+    }
+
+
+def check_connect(settings: Settings, timeout_s: float = 5.0) -> str:
+    """The Spark version the ``BACKFILL_SPARK_CONNECT`` endpoint reports, without switching
+    this process to Spark Connect; :class:`SparkConnectError` if it does not answer."""
+    from backfill_assets.stack import connect
+
+    url = settings.spark_connect
+    assert url is not None
+    version = connect.probe(url, timeout_s)
+    if version is None:
+        host, port = connect.endpoint(url)
+        raise SparkConnectError(
+            f"BACKFILL_SPARK_CONNECT={url.split(';', 1)[0]}: no Spark Connect server answers at "
+            f"{host}:{port}. Start the local one (`backfill-assets stack up`) or fix the URL; "
+            "unset it for in-process Spark"
+        )
+    return version
+
+
+def connect_session(
+    settings: Settings, extra: Mapping[str, object] | None = None, timeout_s: float = 5.0
+) -> SparkSession:
+    """A thin-client session on the ``BACKFILL_SPARK_CONNECT`` endpoint (no JVM in this
+    process), reused within the process per URL like the classic session. Raises
+    :class:`SparkConnectError` naming the setting within about ``timeout_s`` when the
+    endpoint does not answer (the client's own retries would wait about 10 minutes)."""
+    from pyspark.sql import SparkSession
+
+    from backfill_assets.stack import connect
+
+    url = settings.spark_connect
+    assert url is not None
+    shown = url.split(";", 1)[0]  # the parameters may hold a token
+    session = _connect_sessions.get(url)
+    if session is None or getattr(session, "is_stopped", True):
+        host, port = connect.endpoint(url)
+        if not connect.port_open(host, port, timeout_s):
+            raise SparkConnectError(
+                f"BACKFILL_SPARK_CONNECT={shown}: nothing answers at {host}:{port}. Start the "
+                "local server (`backfill-assets stack up`) or fix the URL; unset it for "
+                "in-process Spark"
+            )
+        session = SparkSession.builder.remote(url).create()
+        client = session.client
+        policies = client.get_retry_policies()
+        client.set_retry_policies([connect.quick_retries(timeout_s)])
+        try:
+            session.version  # noqa: B018 - the first request: is this Spark Connect?
+        except Exception as exc:
+            raise SparkConnectError(
+                f"BACKFILL_SPARK_CONNECT={shown}: {host}:{port} does not answer as a Spark "
+                f"Connect server ({type(exc).__name__}: "
+                f"{(str(exc).strip().splitlines() or [''])[0][:200]}). Check the URL, or the "
+                "server's log (`backfill-assets stack status`)"
+            ) from None
+        finally:
+            client.set_retry_policies(policies)
+        _connect_sessions[url] = session
+    # Not spark_config(): a thin client needs neither the jars nor a JDK to build the UDF jar.
+    conf = {**_session_sql(settings), **settings.spark_extra_conf}
+    for key, value in (extra or {}).items():
+        conf[key] = str(value).lower() if isinstance(value, bool) else str(value)
+    confs = session_confs(conf)
+    for key, value in confs.items():
+        session.conf.set(key, value)
+    return session

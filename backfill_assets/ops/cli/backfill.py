@@ -203,6 +203,11 @@ def backfill_command(
     unless --as-backfill. With --wait, exits 4 unless every asset partition succeeded."""
     from backfill_assets.ops import launch
 
+    if settings.spark_connect:
+        # Runs would fail one by one on an endpoint that does not answer: refuse up front.
+        from backfill_assets.stack import spark
+
+        spark.check_connect(settings)
     client = launch.DagsterClient(
         webserver or f"http://{settings.webserver_host}:{settings.webserver_port}"
     )

@@ -13,6 +13,7 @@ from backfill_assets.ops.cli.common import Exit, parse_hour, topic_option, with_
 from backfill_assets.ops.cli.output import Ui
 from backfill_assets.stack import catalog, jars
 from backfill_assets.stack.broker import LocalBroker
+from backfill_assets.stack.connect import LocalConnectServer
 from backfill_assets.stack.settings import Settings
 
 
@@ -108,12 +109,16 @@ def catalog_command(ui: Ui, settings: Settings, action: str) -> int:
 @click.argument("action", type=click.Choice(["up", "down", "status"]))
 @with_ui
 def stack_command(ui: Ui, settings: Settings, action: str) -> int:
-    """The whole local stack: jars, catalog, broker."""
+    """The whole local stack: jars, catalog, broker, and the Spark Connect server that runs
+    reach when BACKFILL_SPARK_CONNECT names it (port BACKFILL_SPARK_CONNECT_PORT)."""
     broker = LocalBroker(settings)
+    server = LocalConnectServer(settings)
     if action == "down":
+        spark_stopped = server.stop()
+        ui.line("spark connect stopped" if spark_stopped else "spark connect was not running")
         stopped = broker.stop()
         ui.line("broker stopped" if stopped else "broker was not running")
-        ui.emit({"stopped": stopped})
+        ui.emit({"stopped": stopped, "spark_connect_stopped": spark_stopped})
         return 0
     doc: dict[str, Any] = {}
     if action == "up":
@@ -125,10 +130,16 @@ def stack_command(ui: Ui, settings: Settings, action: str) -> int:
         catalog.init_local_catalog(settings.catalog)
         with ui.spinner("starting the broker"):
             status = broker.start()
+        ui.line(status.describe())
+        with ui.spinner("starting the Spark Connect server"):
+            spark_status = server.start()
     else:
         status = broker.status()
-    ui.line(status.describe())
+        ui.line(status.describe())
+        spark_status = server.status()
+    ui.line(spark_status.describe())
     doc["broker"] = asdict(status)
+    doc["spark_connect"] = asdict(spark_status)
     ui.emit(doc)
     return 0
 

@@ -1,0 +1,371 @@
+"""The local Spark Connect server: a warm Spark engine that runs talk to as thin clients.
+
+``backfill-assets stack up`` starts it after the broker: one JVM from the pip pyspark
+distribution (``SparkSubmit`` with the ``SparkConnectServer`` class), listening on
+``127.0.0.1:<BACKFILL_SPARK_CONNECT_PORT>``, with the same Spark settings a classic run gives
+its in-process driver (:func:`backfill_assets.stack.spark.spark_config`: the Iceberg runtime,
+the Kafka source, the UDF jar, the catalog). Runs reach it when ``BACKFILL_SPARK_CONNECT``
+names it (:func:`backfill_assets.stack.spark.get_session`).
+
+Its properties file (catalog secrets: mode 0600), PID file and output live under
+``<BACKFILL_HOME>/connect``; log4j writes warnings to ``<BACKFILL_HOME>/logs/spark-connect.log``.
+``stop`` signals only the PID this module started (checked against the process command line).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from backfill_assets.errors import StackError
+from backfill_assets.stack import spark
+from backfill_assets.stack.settings import Settings
+
+if TYPE_CHECKING:
+    from pyspark.sql.connect.client.retries import DefaultPolicy
+
+MAIN_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
+# What Spark's launcher gives every JVM on Java 17+ (printed by SPARK_PRINT_LAUNCH_COMMAND=1
+# spark-submit); bin/spark-submit is not used, so the server keeps one PID (ours).
+JAVA_MODULE_OPTIONS = (
+    "-XX:+IgnoreUnrecognizedVMOptions",
+    "--add-modules=jdk.incubator.vector",
+    *(
+        f"--add-opens=java.base/{pkg}=ALL-UNNAMED"
+        for pkg in (
+            "java.lang",
+            "java.lang.invoke",
+            "java.lang.reflect",
+            "java.io",
+            "java.net",
+            "java.nio",
+            "java.util",
+            "java.util.concurrent",
+            "java.util.concurrent.atomic",
+            "jdk.internal.ref",
+            "sun.nio.ch",
+            "sun.nio.cs",
+            "sun.security.action",
+            "sun.util.calendar",
+        )
+    ),
+    "--add-opens=java.security.jgss/sun.security.krb5=ALL-UNNAMED",
+    "-Djdk.reflect.useDirectMethodHandle=false",
+    "-Dio.netty.tryReflectionSetAccessible=true",
+    "-Dio.netty.allocator.type=pooled",
+    "-Dio.netty.handler.ssl.defaultEndpointVerificationAlgorithm=NONE",
+    "--enable-native-access=ALL-UNNAMED",
+)
+# Settings of spark_config() that mean nothing to a server started with plain java: the heap
+# is -Xmx/-Xms in the argv, the driver's JVM options are the argv itself, and the client's own
+# interpreter is the client's business.
+_CLIENT_ONLY = (
+    "spark.driver.memory",
+    "spark.driver.extraJavaOptions",
+    "spark.pyspark.driver.python",
+)
+
+
+class ConnectError(StackError):
+    """The local Spark Connect server could not be started, reached or stopped."""
+
+
+@dataclass(frozen=True)
+class ConnectStatus:
+    """What ``backfill-assets stack status`` reports for the Spark Connect server."""
+
+    pid: int | None
+    running: bool
+    responding: bool
+    url: str
+    version: str | None = None
+    log: str = ""
+
+    def describe(self) -> str:
+        state = "running" if self.running else "stopped"
+        if self.running and not self.responding:
+            state += " (not answering Spark Connect requests)"
+        parts = [f"spark connect {state}", f"url={self.url}"]
+        if self.pid is not None:
+            parts.append(f"pid={self.pid}")
+        if self.version:
+            parts.append(f"spark={self.version}")
+        parts.append(f"log={self.log}")
+        return " ".join(parts)
+
+
+class LocalConnectServer:
+    """A Spark Connect server on 127.0.0.1 whose state lives in ``<home>/connect``."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.dir = settings.home / "connect"
+        self.conf_path = self.dir / "spark-connect.conf"
+        self.pid_path = self.dir / "spark-connect.pid"
+        self.out_path = self.dir / "spark-connect.out"
+        self.log_path = settings.home / "logs" / "spark-connect.log"
+
+    @property
+    def port(self) -> int:
+        return self.settings.spark_connect_port
+
+    @property
+    def url(self) -> str:
+        return f"sc://127.0.0.1:{self.port}"
+
+    # ----------------------------------------------------------------- configuration
+    def properties(self) -> dict[str, str]:
+        """The server's Spark settings (secrets included: never log them)."""
+        conf = {k: v for k, v in spark.spark_config(self.settings).items() if k not in _CLIENT_ONLY}
+        conf["spark.app.name"] = "backfill_assets Spark Connect server"
+        conf["spark.connect.grpc.binding.address"] = "127.0.0.1"
+        conf["spark.connect.grpc.binding.port"] = str(self.port)
+        return conf
+
+    def argv(self) -> list[str]:
+        heap = self.settings.spark_driver_memory
+        return [
+            _java(),
+            f"-Xmx{heap}",
+            f"-Xms{heap}",
+            spark.JIT_OPTIONS,
+            *JAVA_MODULE_OPTIONS,
+            f"-Dlog4j2.configurationFile={spark.LOG4J_CONFIG}",
+            f"-Dbackfill.log.dir={self.log_path.parent}",
+            "-Dbackfill.log.name=spark-connect",
+            "-cp",
+            str(spark_home() / "jars" / "*"),
+            "org.apache.spark.deploy.SparkSubmit",
+            "--properties-file",
+            str(self.conf_path),
+            "--class",
+            MAIN_CLASS,
+            "--name",
+            "backfill_assets Spark Connect server",
+            "spark-internal",
+        ]
+
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "SPARK_HOME": str(spark_home()),
+            # The Python of UDFs (mapInPandas, pandera) is the server's PYSPARK_PYTHON, not a
+            # client's: spark.pyspark.python in the properties alone is not enough.
+            "PYSPARK_PYTHON": sys.executable,
+            "SPARK_LOCAL_IP": "127.0.0.1",
+        }
+
+    def _write_properties(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        text = "".join(
+            f"{k}={_properties_escape(v)}\n" for k, v in sorted(self.properties().items())
+        )
+        # Holds the catalog's secrets: created 0600, never readable by others in between.
+        self.conf_path.unlink(missing_ok=True)
+        fd = os.open(self.conf_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self, timeout_s: float = 180.0) -> ConnectStatus:
+        """Start the server (a no-op when ours runs) and wait until a client session works."""
+        if self._running_pid() is not None:
+            self.wait_ready(timeout_s)
+            return self.status()
+        _require_free_port(self.port)
+        self._write_properties()
+        with self.out_path.open("ab") as out:
+            proc = subprocess.Popen(
+                self.argv(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=self.env(),
+                cwd=self.dir,
+            )
+        self.pid_path.write_text(f"{proc.pid}\n")
+        try:
+            self.wait_ready(timeout_s, proc=proc)
+        except ConnectError:
+            self.stop()
+            raise
+        return self.status()
+
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """Stop the server this module started (SIGTERM, then SIGKILL). True if one ran."""
+        pid = self._running_pid()
+        if pid is None:
+            self.pid_path.unlink(missing_ok=True)
+            return False
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.2)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            while _alive(pid):
+                time.sleep(0.1)
+        self.pid_path.unlink(missing_ok=True)
+        return True
+
+    def status(self, timeout_s: float = 10.0) -> ConnectStatus:
+        pid = self._running_pid()
+        version = probe(self.url, timeout_s) if pid is not None else None
+        return ConnectStatus(
+            pid=pid,
+            running=pid is not None,
+            responding=version is not None,
+            url=self.url,
+            version=version,
+            log=str(self.log_path),
+        )
+
+    def wait_ready(self, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise ConnectError(
+                    f"the Spark Connect server exited with code {proc.returncode} during "
+                    f"start-up. Last lines of its output:\n{self.log_tail()}"
+                )
+            if port_open("127.0.0.1", self.port, 1.0) and probe(self.url, 10.0) is not None:
+                return
+            time.sleep(0.5)
+        raise ConnectError(
+            f"the Spark Connect server at {self.url} did not answer within {timeout_s:.0f}s. "
+            f"Last lines of its output:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 15) -> str:
+        found = []
+        for path in (self.out_path, self.log_path):
+            try:
+                text = path.read_text(errors="replace").splitlines()
+            except FileNotFoundError:
+                continue
+            found.append(f"[{path}]\n" + "\n".join(text[-lines:]))
+        return "\n".join(found) or "(no output written)"
+
+    def _running_pid(self) -> int | None:
+        """The PID from our PID file if that process is alive and is our server."""
+        try:
+            pid = int(self.pid_path.read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+        if not _alive(pid):
+            return None
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return None
+        if MAIN_CLASS.encode() in cmdline and str(self.conf_path).encode() in cmdline:
+            return pid
+        return None
+
+
+def probe(url: str, timeout_s: float) -> str | None:
+    """The Spark version a Spark Connect endpoint reports, or None if it does not answer
+    within about ``timeout_s``. Uses the Connect client's own session class, so the process
+    is not switched to Connect mode (a classic session in it keeps working)."""
+    from pyspark.sql.connect.client.retries import DefaultPolicy
+    from pyspark.sql.connect.session import SparkSession as RemoteSession
+
+    host, port = endpoint(url)
+    if not port_open(host, port, min(timeout_s, 3.0)):
+        return None
+    session = RemoteSession.builder.remote(url).create()
+    try:
+        session.client.set_retry_policies([quick_retries(timeout_s)])
+        return str(session.version)
+    except Exception:
+        return None
+    finally:
+        with contextlib.suppress(Exception):  # a probe never fails on its own clean-up
+            session.client.set_retry_policies([DefaultPolicy(max_retries=0)])
+            session.stop()
+
+
+def quick_retries(timeout_s: float) -> DefaultPolicy:
+    """A retry policy that gives up after roughly ``timeout_s`` (the default retries
+    UNAVAILABLE for about 10 minutes)."""
+    from pyspark.sql.connect.client.retries import DefaultPolicy
+
+    return DefaultPolicy(
+        max_retries=max(1, int(timeout_s)), initial_backoff=250, max_backoff=1000, jitter=0
+    )
+
+
+def endpoint(url: str) -> tuple[str, int]:
+    """Host and port of an ``sc://host[:port]`` URL (Spark Connect's default port 15002)."""
+    rest = url.removeprefix("sc://").split("/", 1)[0].split(";", 1)[0]
+    host, _, port = rest.partition(":")
+    return host, int(port) if port else 15002
+
+
+def spark_home() -> Path:
+    """The pip pyspark distribution (jars/, bin/)."""
+    found = importlib.util.find_spec("pyspark")
+    if found is None or found.origin is None:
+        raise ConnectError("pyspark is not installed in this environment")
+    return Path(found.origin).parent
+
+
+def port_open(host: str, port: int, timeout_s: float) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _properties_escape(value: str) -> str:
+    """A value as Java's Properties.load reads it back (backslash is its escape character)."""
+    return value.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _java() -> str:
+    java = shutil.which("java")
+    if java is None:
+        raise ConnectError(
+            "Java is not on PATH; the local Spark Connect server needs a JDK 17+ "
+            "(apt-get install openjdk-17-jdk-headless)"
+        )
+    return java
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _require_free_port(port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            raise ConnectError(
+                f"port 127.0.0.1:{port} is already in use; stop whatever holds it or choose "
+                "another port with BACKFILL_SPARK_CONNECT_PORT"
+            ) from None

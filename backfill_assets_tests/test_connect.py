@@ -1,0 +1,226 @@
+"""Spark Connect (issue 27): runs as thin clients of one warm local Spark Connect server.
+
+One server is started for the session (``stack/connect.py``, stopped by PID at the end). The
+backfills run in a child process with ``BACKFILL_SPARK_CONNECT`` set, as a daemon-launched run
+would: a process that uses Spark Connect cannot also hold a classic session (pyspark switches
+the whole process), and the rest of the suite runs classic Spark in this process. The child
+reports whether it started a JVM; the published tables are read here with pyiceberg.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from click.testing import CliRunner
+
+from backfill_assets.demo.generator import GeneratorConfig, generate
+from backfill_assets.stack.connect import LocalConnectServer
+from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support import services
+
+if TYPE_CHECKING:
+    from pyiceberg.catalog import Catalog
+
+START = datetime(2026, 5, 1, tzinfo=UTC)
+
+# Runs in the child: raw hours 00..05 then the hourly aggregate of event hours 00..02, through
+# Dagster exactly as test_derived materializes them; prints one JSON line.
+CHILD = r"""
+import json, os, sys
+import dagster as dg
+from pathlib import Path
+from backfill_assets.defs.assets import build_topic_assets
+from backfill_assets.defs.definitions import RESOURCES, SPECS
+from backfill_assets.spec.declared import renamed
+
+topic, which = sys.argv[1], sys.argv[2:]
+spec = renamed(SPECS[0], topic=topic)
+assets = build_topic_assets(spec)
+ranges = {"raw": ("2026-05-01-00:00", "2026-05-01-05:00"),
+          f"{topic}_hourly": ("2026-05-01-00:00", "2026-05-01-02:00")}
+out = {}
+with dg.instance_for_test() as instance:
+    for key in which:
+        sel = [a for a in assets if a.key.path[-1] == key or a.key.path[0] == key]
+        first, last = ranges[key]
+        res = dg.materialize(sel, resources=RESOURCES, instance=instance, raise_on_error=False,
+                             selection=[a.key for a in sel],
+                             tags={"dagster/asset_partition_range_start": first,
+                                   "dagster/asset_partition_range_end": last})
+        def chain(err):
+            while err is not None:
+                yield err.message.strip().splitlines()[-1] if err.message.strip() else ""
+                err = err.cause or err.context
+        failures = [" <- ".join(chain(getattr(e.event_specific_data, "error", None)))
+                    or (e.message or "") for e in res.all_events if e.is_failure]
+        out[key] = {"success": res.success, "run_id": res.run_id, "failures": failures,
+                    "checks": {e.check_name: e.passed for e in res.get_asset_check_evaluations()}}
+from pyspark import SparkContext
+from backfill_assets.stack import spark
+out["session_modules"] = sorted({type(s).__module__ for s in spark._connect_sessions.values()})
+out["spark_context"] = SparkContext._active_spark_context is not None
+def children(pid):
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return found + [g for c in found for g in children(c)]
+out["java_children"] = [
+    (Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ")[:200]).decode()
+    for c in children(os.getpid())
+    if b"java" in Path(f"/proc/{c}/cmdline").read_bytes().split(b"\0")[0]
+]
+print("RESULT " + json.dumps(out))
+"""
+
+
+@dataclasses.dataclass
+class Server:
+    url: str
+    settings: Settings
+    server: LocalConnectServer
+
+
+@pytest.fixture(scope="session")
+def connect_server(stack_settings: Settings) -> Iterator[Server]:
+    """One local Spark Connect server on the test stack, on a free port."""
+    settings = dataclasses.replace(stack_settings, spark_connect_port=services.free_port())
+    server = LocalConnectServer(settings)
+    status = server.start()
+    try:
+        assert status.responding, status.describe()
+        yield Server(server.url, settings, server)
+    finally:
+        server.stop()
+
+
+def _child(url: str, topic: str, *assets: str) -> dict[str, Any]:
+    env = {**os.environ, "BACKFILL_SPARK_CONNECT": url}
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, topic, *assets],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
+    return result
+
+
+def _rows(cat: Catalog, ident: str) -> list[dict[str, Any]]:
+    if not cat.table_exists(ident):
+        return []
+    return cat.load_table(ident).scan().to_arrow().to_pylist()  # type: ignore[no-any-return]
+
+
+def test_server_properties_are_private_and_bound_to_loopback(connect_server: Server) -> None:
+    conf = connect_server.server.conf_path
+    assert conf.stat().st_mode & 0o777 == 0o600
+    props = connect_server.server.properties()
+    assert props["spark.connect.grpc.binding.address"] == "127.0.0.1"
+    assert props["spark.connect.grpc.binding.port"] == str(
+        connect_server.settings.spark_connect_port
+    )
+    assert "spark.driver.memory" not in props and "spark.pyspark.driver.python" not in props
+    assert connect_server.server.status().responding
+    assert Path(connect_server.server.log_path).parent.name == "logs"
+
+
+def test_backfill_over_connect_publishes_what_was_produced(
+    connect_server: Server, stack_settings: Settings, iceberg_catalog: Catalog
+) -> None:
+    topic = f"orders_{uuid.uuid4().hex[:8]}"
+    config = GeneratorConfig(topic=topic, start=START, hours=6, events_per_hour=120, seed=13)
+    truth = generate(stack_settings, config)
+    hourly = f"{topic}_hourly"
+
+    out = _child(connect_server.url, topic, "raw", hourly)
+
+    assert out["raw"]["success"], out["raw"]["failures"]
+    assert out[hourly]["success"], out[hourly]["failures"]
+    for key in ("raw", hourly):
+        checks = out[key]["checks"]
+        assert checks and all(checks.values()), (key, checks)
+    # A thin client: a Spark Connect session, no SparkContext and no JVM child in the run.
+    assert out["session_modules"] == ["pyspark.sql.connect.session"], out
+    assert out["spark_context"] is False
+    assert out["java_children"] == []
+
+    ns = stack_settings.catalog.namespace
+    raw = _rows(iceberg_catalog, f"{ns}.raw_{topic}")
+    per_hour: dict[str, int] = {}
+    for row in raw:
+        hour = row["kafka_hour"].astimezone(UTC).isoformat()
+        per_hour[hour] = per_hour.get(hour, 0) + 1
+    for h in range(6):
+        hour = datetime(2026, 5, 1, h, tzinfo=UTC).isoformat()
+        t = truth.kafka_hours[hour]
+        assert per_hour.get(hour, 0) == t["valid"] + t["tombstones"] + t["duplicates"], hour
+    got = {
+        (r["event_hour"].astimezone(UTC).isoformat(), r["currency"]): (
+            r["events"],
+            r["amount_minor"],
+        )
+        for r in _rows(iceberg_catalog, f"{ns}.{hourly}")
+    }
+    expected = {
+        (hour, cur): (v["events"], v["amount_minor"])
+        for hour, by_cur in truth.event_hours.items()
+        if START <= datetime.fromisoformat(hour) < datetime(2026, 5, 1, 3, tzinfo=UTC)
+        for cur, v in by_cur.items()
+    }
+    assert got == expected
+    # The publish's audit commit is on main (made by pyiceberg, fast-forwarded by Spark).
+    main = iceberg_catalog.load_table(f"{ns}.raw_{topic}").metadata
+    snap = main.snapshot_by_id(main.refs["main"].snapshot_id)
+    assert snap is not None and snap.summary is not None
+    assert snap.summary.additional_properties.get("backfill.run-id") == out["raw"]["run_id"]
+
+
+def test_unreachable_connect_server_is_a_settings_error(
+    connect_server: Server,
+    stack_settings: Settings,
+    iceberg_catalog: Catalog,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from backfill_assets.ops import cli
+
+    topic = f"orders_{uuid.uuid4().hex[:8]}"
+    generate(stack_settings, GeneratorConfig(topic=topic, start=START, hours=2, events_per_hour=20))
+    dead = f"sc://127.0.0.1:{services.free_port()}"
+    # The CLI refuses before launching anything (no webserver is even asked).
+    monkeypatch.setenv("BACKFILL_SPARK_CONNECT", dead)
+    monkeypatch.setenv("BACKFILL_WEBSERVER_PORT", str(services.free_port()))
+    result = CliRunner().invoke(
+        cli.cli,
+        ["backfill", "--topic", topic, "--start", "2026-05-01-00:00", "--end", "2026-05-01-00:00"],
+    )
+    assert result.exit_code == 2, result.output
+    errors = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "BACKFILL_SPARK_CONNECT" in errors[0] and dead in errors[0]
+    # A run that meets it fails at once with the same message, and publishes nothing.
+    out = _child(dead, topic, "raw")
+    assert not out["raw"]["success"]
+    assert any("BACKFILL_SPARK_CONNECT" in f and dead in f for f in out["raw"]["failures"]), out
+    ident = f"{stack_settings.catalog.namespace}.raw_{topic}"
+    assert (
+        not iceberg_catalog.table_exists(ident)
+        or not iceberg_catalog.load_table(ident).metadata.snapshots
+    )
+    assert out["java_children"] == []
