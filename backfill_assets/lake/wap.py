@@ -268,7 +268,7 @@ def _empty_commit(
     committed once ``ref`` exists (another run made the init commit)."""
     from pyiceberg.exceptions import CommitFailedException
 
-    for attempt in range(5):
+    for attempt in range(10):
         tbl = _iceberg_table(table)
         if only_if_absent and ref in tbl.metadata.refs:
             return
@@ -276,10 +276,14 @@ def _empty_commit(
         try:
             tbl.append(empty, snapshot_properties=properties, branch=ref)
             return
-        except CommitFailedException:
-            if attempt == 4:
+        except (CommitFailedException, ValueError) as exc:
+            # pyiceberg's SQL catalog applies the snapshot to the catalog's current metadata:
+            # another run's commit (to its own branch) since the load surfaces as a sequence
+            # number older than the table's last one, refused before anything was written.
+            conflict = isinstance(exc, CommitFailedException) or "sequence number" in str(exc)
+            if not conflict or attempt == 9:
                 raise
-            time.sleep(0.1 * (attempt + 1))
+            time.sleep(0.05 * (attempt + 1))
 
 
 def _iceberg_table(table: str) -> Table:

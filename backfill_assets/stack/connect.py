@@ -14,7 +14,6 @@ Its properties file (catalog secrets: mode 0600), PID file and output live under
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import shutil
@@ -25,14 +24,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from backfill_assets.errors import StackError
 from backfill_assets.stack import spark
 from backfill_assets.stack.settings import Settings
-
-if TYPE_CHECKING:
-    from pyspark.sql.connect.client.retries import DefaultPolicy
 
 MAIN_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 # What Spark's launcher gives every JVM on Java 17+ (printed by SPARK_PRINT_LAUNCH_COMMAND=1
@@ -222,7 +217,7 @@ class LocalConnectServer:
 
     def status(self, timeout_s: float = 10.0) -> ConnectStatus:
         pid = self._running_pid()
-        version = probe(self.url, timeout_s) if pid is not None else None
+        version = spark.probe(self.url, timeout_s) if pid is not None else None
         return ConnectStatus(
             pid=pid,
             running=pid is not None,
@@ -240,7 +235,10 @@ class LocalConnectServer:
                     f"the Spark Connect server exited with code {proc.returncode} during "
                     f"start-up. Last lines of its output:\n{self.log_tail()}"
                 )
-            if port_open("127.0.0.1", self.port, 1.0) and probe(self.url, 10.0) is not None:
+            if (
+                spark.port_open("127.0.0.1", self.port, 1.0)
+                and spark.probe(self.url, 10.0) is not None
+            ):
                 return
             time.sleep(0.5)
         raise ConnectError(
@@ -275,59 +273,12 @@ class LocalConnectServer:
         return None
 
 
-def probe(url: str, timeout_s: float) -> str | None:
-    """The Spark version a Spark Connect endpoint reports, or None if it does not answer
-    within about ``timeout_s``. Uses the Connect client's own session class, so the process
-    is not switched to Connect mode (a classic session in it keeps working)."""
-    from pyspark.sql.connect.client.retries import DefaultPolicy
-    from pyspark.sql.connect.session import SparkSession as RemoteSession
-
-    host, port = endpoint(url)
-    if not port_open(host, port, min(timeout_s, 3.0)):
-        return None
-    session = RemoteSession.builder.remote(url).create()
-    try:
-        session.client.set_retry_policies([quick_retries(timeout_s)])
-        return str(session.version)
-    except Exception:
-        return None
-    finally:
-        with contextlib.suppress(Exception):  # a probe never fails on its own clean-up
-            session.client.set_retry_policies([DefaultPolicy(max_retries=0)])
-            session.stop()
-
-
-def quick_retries(timeout_s: float) -> DefaultPolicy:
-    """A retry policy that gives up after roughly ``timeout_s`` (the default retries
-    UNAVAILABLE for about 10 minutes)."""
-    from pyspark.sql.connect.client.retries import DefaultPolicy
-
-    return DefaultPolicy(
-        max_retries=max(1, int(timeout_s)), initial_backoff=250, max_backoff=1000, jitter=0
-    )
-
-
-def endpoint(url: str) -> tuple[str, int]:
-    """Host and port of an ``sc://host[:port]`` URL (Spark Connect's default port 15002)."""
-    rest = url.removeprefix("sc://").split("/", 1)[0].split(";", 1)[0]
-    host, _, port = rest.partition(":")
-    return host, int(port) if port else 15002
-
-
 def spark_home() -> Path:
     """The pip pyspark distribution (jars/, bin/)."""
     found = importlib.util.find_spec("pyspark")
     if found is None or found.origin is None:
         raise ConnectError("pyspark is not installed in this environment")
     return Path(found.origin).parent
-
-
-def port_open(host: str, port: int, timeout_s: float) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
 
 
 def _properties_escape(value: str) -> str:

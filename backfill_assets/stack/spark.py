@@ -3,8 +3,10 @@ production; only :class:`~backfill_assets.stack.settings.Settings` differs."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,6 +18,7 @@ from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+    from pyspark.sql.connect.client.retries import DefaultPolicy
 
 _log = logging.getLogger(__name__)
 
@@ -249,13 +252,11 @@ def session_confs(conf: Mapping[str, str]) -> dict[str, str]:
 def check_connect(settings: Settings, timeout_s: float = 5.0) -> str:
     """The Spark version the ``BACKFILL_SPARK_CONNECT`` endpoint reports, without switching
     this process to Spark Connect; :class:`SparkConnectError` if it does not answer."""
-    from backfill_assets.stack import connect
-
     url = settings.spark_connect
     assert url is not None
-    version = connect.probe(url, timeout_s)
+    version = probe(url, timeout_s)
     if version is None:
-        host, port = connect.endpoint(url)
+        host, port = endpoint(url)
         raise SparkConnectError(
             f"BACKFILL_SPARK_CONNECT={url.split(';', 1)[0]}: no Spark Connect server answers at "
             f"{host}:{port}. Start the local one (`backfill-assets stack up`) or fix the URL; "
@@ -273,15 +274,13 @@ def connect_session(
     endpoint does not answer (the client's own retries would wait about 10 minutes)."""
     from pyspark.sql import SparkSession
 
-    from backfill_assets.stack import connect
-
     url = settings.spark_connect
     assert url is not None
     shown = url.split(";", 1)[0]  # the parameters may hold a token
     session = _connect_sessions.get(url)
     if session is None or getattr(session, "is_stopped", True):
-        host, port = connect.endpoint(url)
-        if not connect.port_open(host, port, timeout_s):
+        host, port = endpoint(url)
+        if not port_open(host, port, timeout_s):
             raise SparkConnectError(
                 f"BACKFILL_SPARK_CONNECT={shown}: nothing answers at {host}:{port}. Start the "
                 "local server (`backfill-assets stack up`) or fix the URL; unset it for "
@@ -290,7 +289,7 @@ def connect_session(
         session = SparkSession.builder.remote(url).create()
         client = session.client
         policies = client.get_retry_policies()
-        client.set_retry_policies([connect.quick_retries(timeout_s)])
+        client.set_retry_policies([quick_retries(timeout_s)])
         try:
             session.version  # noqa: B018 - the first request: is this Spark Connect?
         except Exception as exc:
@@ -311,3 +310,50 @@ def connect_session(
     for key, value in confs.items():
         session.conf.set(key, value)
     return session
+
+
+def probe(url: str, timeout_s: float) -> str | None:
+    """The Spark version a Spark Connect endpoint reports, or None if it does not answer
+    within about ``timeout_s``. Uses the Connect client's own session class, so the process
+    is not switched to Connect mode (a classic session in it keeps working)."""
+    from pyspark.sql.connect.client.retries import DefaultPolicy
+    from pyspark.sql.connect.session import SparkSession as RemoteSession
+
+    host, port = endpoint(url)
+    if not port_open(host, port, min(timeout_s, 3.0)):
+        return None
+    session = RemoteSession.builder.remote(url).create()
+    try:
+        session.client.set_retry_policies([quick_retries(timeout_s)])
+        return str(session.version)
+    except Exception:
+        return None
+    finally:
+        with contextlib.suppress(Exception):  # a probe never fails on its own clean-up
+            session.client.set_retry_policies([DefaultPolicy(max_retries=0)])
+            session.stop()
+
+
+def quick_retries(timeout_s: float) -> DefaultPolicy:
+    """A retry policy that gives up after roughly ``timeout_s`` (the default retries
+    UNAVAILABLE for about 10 minutes)."""
+    from pyspark.sql.connect.client.retries import DefaultPolicy
+
+    return DefaultPolicy(
+        max_retries=max(1, int(timeout_s)), initial_backoff=250, max_backoff=1000, jitter=0
+    )
+
+
+def endpoint(url: str) -> tuple[str, int]:
+    """Host and port of an ``sc://host[:port]`` URL (Spark Connect's default port 15002)."""
+    rest = url.removeprefix("sc://").split("/", 1)[0].split(";", 1)[0]
+    host, _, port = rest.partition(":")
+    return host, int(port) if port else 15002
+
+
+def port_open(host: str, port: int, timeout_s: float) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
