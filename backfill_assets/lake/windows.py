@@ -40,6 +40,7 @@ import xxhash
 
 from backfill_assets.errors import BackfillError
 from backfill_assets.lake.content import in_sample, position_hash
+from backfill_assets.stack.kafka import through_failover
 
 if TYPE_CHECKING:
     from backfill_assets.lake.archive import Archive
@@ -424,8 +425,9 @@ def scan(
     cells: dict[int, list[Cell | None]] = {p: [None] * (len(bounds) - 1) for p in parts}
     _start_positions(kafka, topic, start, end, bounds[0], cursors, ends, archive)
     _read_archived(topic, cursors, cells, ends, archive)
-    _read_kafka(kafka, topic, cursors, cells, ends, timeout_s)
-    _seal_idle(topic, cursors, kafka.log_ends(topic), now, seal_grace)
+    _seal_idle(
+        topic, cursors, _read_to_end(kafka, topic, cursors, cells, ends, timeout_s), now, seal_grace
+    )
     out = _assemble(bounds, cursors, cells)
     _check_chain(topic, out, published)
     windows = Windows(topic, start, end, out, {p: ends[p][0] for p in parts if ends[p][0] > 0})
@@ -524,6 +526,29 @@ def _read_archived(
                     break
             if not cur.done:
                 cur.position = max(cur.position, low)
+
+
+def _read_to_end(
+    kafka: KafkaClient,
+    topic: str,
+    cursors: dict[int, _Cursor],
+    cells: dict[int, list[Cell | None]],
+    ends: dict[int, tuple[int, int, int]],
+    timeout_s: float,
+    passes: int = 3,
+) -> dict[int, tuple[int, int, int]]:
+    """Read Kafka until every partition with a missing boundary has reached the log's end as
+    it stands after the read; the log ends last seen. The ends seen at the start may be short
+    of it: records arrived meanwhile, or a broker failed over and its partitions' new leader
+    had not caught up yet. After ``passes`` reads :func:`_seal_idle` refuses what is left."""
+    for _ in range(passes):
+        _read_kafka(kafka, topic, cursors, cells, ends, timeout_s)
+        final = kafka.log_ends(topic)
+        behind = [p for p, cur in cursors.items() if not cur.done and cur.position < final[p][1]]
+        if not behind:
+            break
+        ends = final
+    return final
 
 
 def _seal_idle(
@@ -650,7 +675,10 @@ def _read_kafka(
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
                         cur.position = max(cur.position, int(msg.offset() or 0))
-                        finished.add(p)
+                        # Short of the LSO seen at the start, the end is a new leader's that
+                        # has not caught up yet (a broker failed over): keep reading.
+                        if cur.position >= ends[p][1]:
+                            finished.add(p)
                         continue
                     raise WindowError(
                         f"topic {topic!r} partition {p}: Kafka error at offset "
@@ -676,14 +704,17 @@ def _hints(kafka: KafkaClient, topic: str, parts: list[int], at: datetime) -> di
         return {}
     from confluent_kafka import TopicPartition
 
-    consumer = kafka.offsets_consumer()
-    try:
-        found = consumer.offsets_for_times(
-            [TopicPartition(topic, p, _ms(at)) for p in parts], timeout=kafka.request_timeout_s
-        )
-        return {tp.partition: int(tp.offset) for tp in found}
-    finally:
-        consumer.close()
+    def ask() -> dict[int, int]:
+        consumer = kafka.offsets_consumer()
+        try:
+            found = consumer.offsets_for_times(
+                [TopicPartition(topic, p, _ms(at)) for p in parts], timeout=kafka.request_timeout_s
+            )
+            return {tp.partition: int(tp.offset) for tp in found}
+        finally:
+            consumer.close()
+
+    return through_failover(f"ListOffsets by time of topic {topic!r}", ask)
 
 
 def _unknown(position: int, low: int, covered: list[tuple[int, int]]) -> tuple[int, int] | None:

@@ -11,14 +11,51 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from backfill_assets.errors import KafkaAccessError, KafkaClientError
 from backfill_assets.stack.settings import KafkaSettings, Settings
+
+_log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Errors a broker failing over gives for a while (the dead leader's requests time out; the
+# others answer "not the leader" until the metadata moves): a look-up retries them.
+_FAILOVER_CODES = {
+    KafkaError._TIMED_OUT,
+    KafkaError._TRANSPORT,
+    KafkaError.REQUEST_TIMED_OUT,
+    KafkaError.NOT_LEADER_FOR_PARTITION,
+    KafkaError.FENCED_LEADER_EPOCH,
+    KafkaError.LEADER_NOT_AVAILABLE,
+    KafkaError._ALL_BROKERS_DOWN,
+    KafkaError._DESTROY_BROKER,  # the dead broker's handle, decommissioned mid-request
+}
+FAILOVER_ATTEMPTS = 4
+
+
+def through_failover(what: str, call: Callable[[], T], attempts: int = FAILOVER_ATTEMPTS) -> T:
+    """``call()``, retried while Kafka answers as a cluster whose broker is failing over (a
+    replica takes over a dead leader's partitions within seconds); other errors, and the last
+    attempt's, are raised as they are."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return call()
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+            if attempt == attempts or err is None or err.code() not in _FAILOVER_CODES:
+                raise
+            _log.warning(
+                "Kafka %s failed (%s), attempt %d of %d; retrying: a broker may be failing over",
+                what, err.str(), attempt, attempts,
+            )  # fmt: skip
+            time.sleep(2.0)
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
@@ -71,7 +108,11 @@ class KafkaClient:
 
         The last stable offset (LSO) is below the high watermark while a transaction is open:
         a committed reader cannot see past it, so nothing at or after it can be sealed.
+        Retried while a broker fails over (:func:`through_failover`).
         """
+        return through_failover(f"ListOffsets of topic {topic!r}", lambda: self._log_ends(topic))
+
+    def _log_ends(self, topic: str) -> dict[int, tuple[int, int, int]]:
         from confluent_kafka import IsolationLevel
         from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
 
@@ -156,6 +197,12 @@ class KafkaClient:
         Where no such record exists, Kafka answers -1; this returns the high watermark instead,
         so ``[offset_for(start), offset_for(end))`` is always a valid, possibly empty range.
         """
+        return through_failover(
+            f"ListOffsets by time of topic {topic!r}",
+            lambda: self._offsets_for_times(topic, timestamp_ms),
+        )
+
+    def _offsets_for_times(self, topic: str, timestamp_ms: int) -> dict[int, int]:
         consumer = self.offsets_consumer()
         try:
             parts = self.partitions(topic)
@@ -177,6 +224,12 @@ class KafkaClient:
     def offsets_for_many(self, topic: str, timestamps_ms: list[int]) -> dict[int, dict[int, int]]:
         """:meth:`offsets_for_times` for many timestamps over one consumer (one ListOffsets
         request per timestamp: librdkafka answers one timestamp per partition per request)."""
+        return through_failover(
+            f"ListOffsets by time of topic {topic!r}",
+            lambda: self._offsets_for_many(topic, timestamps_ms),
+        )
+
+    def _offsets_for_many(self, topic: str, timestamps_ms: list[int]) -> dict[int, dict[int, int]]:
         consumer = self.offsets_consumer()
         try:
             parts = self.partitions(topic)
