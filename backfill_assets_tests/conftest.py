@@ -7,11 +7,12 @@ cache (``scripts/bootstrap.sh`` resolves them; the fixture re-checks, which is a
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -41,10 +42,21 @@ def _no_repository_dagster_home(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli, "dagster_home_dirs", lambda: ())
 
 
+# Which stack the session's fixtures start: "local" (one broker, classic local Spark, SQLite:
+# the default tier) or "cluster" (the production-shaped stack of support/cluster_stack.py, that
+# the `cluster` tier runs the named modules on, unchanged).
+TEST_STACK = os.environ.get("BACKFILL_TEST_STACK", "local")
+if TEST_STACK not in ("local", "cluster"):
+    raise pytest.UsageError(f"BACKFILL_TEST_STACK={TEST_STACK!r}: use local or cluster")
+
+
 @pytest.fixture(scope="session")
 def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """BACKFILL_* variables for the test stack, also exported for code that reads os.environ
     (Dagster resources inside runs)."""
+    if TEST_STACK == "cluster":
+        yield from _cluster_env(tmp_path_factory)
+        return
     home = tmp_path_factory.mktemp("stack")
     port = services.free_port()
     controller = services.free_port()
@@ -67,10 +79,44 @@ def stack_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
         yield env
 
 
+_PRODUCTION: list[Any] = []  # the running ProductionStack, on the cluster stack
+
+
+@pytest.fixture(scope="session")
+def production(stack_env: dict[str, str]) -> Any:
+    """The running production-shaped stack (support/cluster_stack.py); cluster stack only."""
+    if not _PRODUCTION:
+        pytest.skip("needs BACKFILL_TEST_STACK=cluster")
+    return _PRODUCTION[-1]
+
+
+def _cluster_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    from backfill_assets_tests.support.cluster_stack import production_stack
+
+    home = tmp_path_factory.mktemp("cluster")
+    jar_cache = os.environ.get("BACKFILL_JAR_CACHE", str(REPO_ROOT / ".stack" / "jars"))
+    with production_stack(home, jar_cache) as stack:
+        _PRODUCTION.append(stack)
+        env = {
+            **stack.env,
+            "BACKFILL_DAGSTER_STORAGE": str(home / "dagster"),
+            "BACKFILL_SENSORS": "off",
+        }
+        (home / "start-timings.json").write_text(json.dumps(stack.timings))
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in env.items():
+                mp.setenv(key, value)
+            yield env
+
+
 @pytest.fixture(scope="session")
 def stack_settings(stack_env: dict[str, str]) -> Iterator[Settings]:
-    """Settings of a running, real Apache Kafka broker (KRaft) started for this session."""
+    """Settings of a running, real Apache Kafka broker (KRaft) started for this session (on
+    the cluster stack: of the running cluster)."""
     settings = Settings.from_env(stack_env)
+    if TEST_STACK == "cluster":
+        yield settings
+        return
     jars.resolve_all(settings)
     broker = LocalBroker(settings)
     broker.start()
@@ -108,5 +154,8 @@ def dagster_services(stack_settings: Settings, stack_env: dict[str, str]) -> Ite
     that inherit the session's BACKFILL_* environment (so they reach the session's broker).
     """
     home = Path(stack_env["BACKFILL_HOME"]) / "dagster-home"
-    with services.dagster_services(home, {**os.environ, **stack_env}) as url:
+    dagster_yaml = None
+    if TEST_STACK == "cluster":  # Postgres storage, as production loads it
+        dagster_yaml = REPO_ROOT / "infra" / "production" / "dagster.yaml"
+    with services.dagster_services(home, {**os.environ, **stack_env}, dagster_yaml) as url:
         yield url
