@@ -2,7 +2,7 @@
 # The project's test command (README; CI runs it through .ci/run):
 # install, lint, type-check, validate the Dagster definitions, then pytest.
 # The default tier uses the real Kafka broker, Spark and Iceberg catalog. Marked tiers
-# (faults, browser, slow, convergence) run after it when BACKFILL_TEST_TIERS lists them (CI sets it).
+# (faults, browser, slow, convergence, cluster) run after it when BACKFILL_TEST_TIERS lists them (CI sets it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
@@ -33,4 +33,12 @@ echo "== pytest (default tier)"
 for tier in $tiers; do
   echo "== pytest (-m $tier)"
   .venv/bin/python -m pytest -m "$tier" "$@"
+  if [ "$tier" = cluster ]; then
+    # The same marker on the production-shaped stack (backfill_assets_tests/support/
+    # cluster_stack.py): Postgres, S3Proxy, 3 SASL/SCRAM TLS brokers, a Spark standalone cluster
+    # behind a Spark Connect server. The modules above start their own servers instead.
+    echo "== pytest (-m cluster, BACKFILL_TEST_STACK=cluster)"
+    BACKFILL_TEST_STACK=cluster .venv/bin/python -m pytest -m cluster "$@" \
+      backfill_assets_tests/test_cluster.py
+  fi
 done
