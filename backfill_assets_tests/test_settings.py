@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import ast
 import logging
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import yaml
 
 from backfill_assets.errors import SettingsError
 from backfill_assets.stack import catalog, spark
-from backfill_assets.stack.settings import Settings
+from backfill_assets.stack import settings as settings_module
+from backfill_assets.stack.settings import REPO_ROOT, Settings
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -208,3 +212,72 @@ def test_both_sensors_tick_at_the_configured_interval(monkeypatch: pytest.Monkey
             monkeypatch.setenv("BACKFILL_SENSOR_INTERVAL_S", value)
         for build in (build_gap_sensor, build_late_data_sensor):
             assert build(SPECS[0], SPECS).minimum_interval_seconds == expected
+
+
+PRODUCTION = REPO_ROOT / "infra" / "production"
+# The deployment descriptions whose environment variables must be real settings.
+DEPLOYMENT_FILES = (
+    "docker-compose.yml",
+    "Dockerfile",
+    "k8s/values.yaml",
+    "k8s/spark-cluster.yaml",
+    "k8s/README.md",
+    "postgres/10-iceberg-catalog.sh",
+)
+_ENV_NAME = re.compile(r"\b(?:BACKFILL|AWS|DAGSTER_POSTGRES)_[A-Z0-9_]*[A-Z0-9]")
+
+
+def _names_the_code_reads() -> set[str]:
+    """Every variable settings.py reads (its string literals, with the ``prefix + "NAME"``
+    ones of the maintenance block), and those production/dagster.yaml reads (``env:``)."""
+    tree = ast.parse(Path(settings_module.__file__).read_text())
+    literals = {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    }
+    names = {s for s in literals if re.fullmatch(r"(?:BACKFILL|AWS)_[A-Z0-9_]*[A-Z0-9]", s)}
+    prefixes = {s for s in literals if re.fullmatch(r"BACKFILL_[A-Z0-9_]+_", s)}
+    suffixes = {s for s in literals if re.fullmatch(r"[A-Z][A-Z0-9_]*", s)}
+    names |= {p + s for p in prefixes for s in suffixes}
+    names |= set(re.findall(r"env:\s*([A-Z][A-Z0-9_]*)", (PRODUCTION / "dagster.yaml").read_text()))
+    return names
+
+
+def test_deployment_files_parse_and_name_only_real_settings() -> None:
+    """The compose file, the Dockerfile and the k8s files set no BACKFILL_*, AWS_* or
+    DAGSTER_POSTGRES_* variable that neither settings.py nor production/dagster.yaml reads: a
+    misspelt or retired name would be silently ignored by the deployment."""
+    known = _names_the_code_reads()
+    assert {"BACKFILL_SPARK_CONNECT", "BACKFILL_MAINTENANCE_CRON", "DAGSTER_POSTGRES_HOST"} <= known
+    unknown: dict[str, set[str]] = {}
+    for name in DEPLOYMENT_FILES:
+        path = PRODUCTION / name
+        text = path.read_text()
+        if path.suffix in (".yml", ".yaml"):
+            assert list(yaml.safe_load_all(text)), name
+        found = set(_ENV_NAME.findall(text)) - known
+        if found:
+            unknown[name] = found
+    assert not unknown, f"names no code reads: {unknown}"
+
+
+def test_compose_file_sets_the_shape_the_cluster_tier_ran() -> None:
+    """docker-compose.yml points the project at what support/cluster_stack.py ran: the JDBC
+    catalog on Postgres, S3 warehouse and archive, SASL_SSL + SCRAM-SHA-512 Kafka with a CA
+    bundle, and runs as Spark Connect clients; each value is a valid setting."""
+    compose = yaml.safe_load((PRODUCTION / "docker-compose.yml").read_text())
+    env = {k: str(v) for k, v in compose["x-backfill-env"].items()}
+    tested = {
+        "BACKFILL_CATALOG_KIND": "sql",
+        "BACKFILL_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+        "BACKFILL_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+    }
+    assert {k: env.get(k) for k in tested} == tested
+    assert env["BACKFILL_CATALOG_URI"].startswith("postgresql+psycopg2://")
+    assert env["BACKFILL_WAREHOUSE"].startswith("s3://")
+    assert env["BACKFILL_ARCHIVE_URI"].startswith("s3://")
+    assert env["BACKFILL_KAFKA_SSL_CA_LOCATION"]
+    settings = Settings.from_env({k: re.sub(r"\$\{[^}]*\}", "x", v) for k, v in env.items()})
+    assert settings.spark_connect == env["BACKFILL_SPARK_CONNECT"]
+    assert spark.needs_cloud_jars(settings)
