@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
 
+from pyiceberg.table.refs import SnapshotRefType
+from pyiceberg.table.snapshots import ancestors_of
+
 from backfill_assets.errors import BackfillError
 from backfill_assets.stack import catalog as catalog_mod
 from backfill_assets.stack.faults import failpoint
@@ -210,21 +213,28 @@ def drop_published_leftovers(spark: SparkSession, table: str) -> list[str]:
     so the branch holds nothing main does not. Returns the names dropped.
 
     Every other leftover is kept: a branch whose run died before publishing looks exactly like
-    the branch of a run still at work, and a failed run's branch is kept for inspection.
+    the branch of a run still at work, and a failed run's branch is kept for inspection. The
+    refs and summaries are read by pyiceberg from the catalog's current metadata (no Spark
+    query: a Connect round trip per metadata table); each drop is its own ref commit.
     """
-    rows = spark.sql(
-        f"SELECT r.name, s.summary['{SUMMARY_PREFIX}run-id'] AS run_id, "
-        f"s.summary['{SUMMARY_PREFIX}published'] AS published, h.is_current_ancestor "
-        f"FROM {table}.refs r JOIN {table}.snapshots s ON r.snapshot_id = s.snapshot_id "
-        f"JOIN {table}.history h ON h.snapshot_id = r.snapshot_id "
-        "WHERE r.type = 'BRANCH' AND r.name != 'main'"
-    ).collect()
+    meta = _iceberg_table(table).metadata
+    main = meta.refs.get("main")
+    if main is None:
+        return []
+    head = meta.snapshot_by_id(main.snapshot_id)
+    on_main = {s.snapshot_id for s in ancestors_of(head, meta)}
     dropped = []
-    for row in rows:
-        own = row["run_id"] is not None and row["name"].startswith(branch_name(row["run_id"]))
-        if own and row["published"] == "true" and row["is_current_ancestor"]:
-            spark.sql(f"ALTER TABLE {table} DROP BRANCH IF EXISTS `{row['name']}`")
-            dropped.append(row["name"])
+    for name, ref in meta.refs.items():
+        if name == "main" or ref.snapshot_ref_type != SnapshotRefType.BRANCH:
+            continue
+        snap = meta.snapshot_by_id(ref.snapshot_id)
+        summary = snap.summary if snap is not None else None
+        run_id = summary[f"{SUMMARY_PREFIX}run-id"] if summary is not None else None
+        published = summary[f"{SUMMARY_PREFIX}published"] if summary is not None else None
+        own = run_id is not None and name.startswith(branch_name(run_id))
+        if own and published == "true" and ref.snapshot_id in on_main:
+            ref_sql(spark, table, f"ALTER TABLE {table} DROP BRANCH IF EXISTS `{name}`")
+            dropped.append(name)
     return dropped
 
 
