@@ -52,6 +52,11 @@ def main() -> None:
     parser.add_argument(
         "--ranges", default=",".join(RANGES), help=f"measured, of {', '.join(RANGES)}"
     )
+    parser.add_argument(
+        "--connect",
+        action="store_true",
+        help="runs are thin clients of a warm local Spark Connect server (as bench/latency.py)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temporary home")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # Dagster's beta notices on import
@@ -86,7 +91,15 @@ def main() -> None:
     broker = LocalBroker(settings)
     broker.start()
     rows: list[dict[str, Any]] = []
+    server = None
     try:
+        if args.connect:
+            from backfill_assets.stack.connect import LocalConnectServer
+
+            os.environ["BACKFILL_SPARK_CONNECT_PORT"] = str(latency.free_port())
+            server = LocalConnectServer(Settings.from_env())
+            print(server.start().describe(), flush=True)
+            os.environ["BACKFILL_SPARK_CONNECT"] = server.url
         spec = next(s for s in SPECS if s.topic == "orders")
         tables = [spec.raw_table, spec.current_table, *(t.name for t in spec.tables)]
         hours = sum(warm) + sum(h for _, h in measured) + 1
@@ -163,6 +176,8 @@ def main() -> None:
         inside = sum(abs(r["error"]) <= GOAL for r in rows)
         print(f"{inside}/{len(rows)} within +-{100 * GOAL:.0f}% (goal: all)")
     finally:
+        if server is not None:
+            server.stop()
         broker.stop()
         if args.keep:
             print(f"kept {home}")
