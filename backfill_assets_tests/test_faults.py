@@ -126,6 +126,7 @@ def world(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> World:
     """The faulted table, seeded with a clean publish of hour 0, and the clean reference."""
+    _OWN_SESSION[0] = getattr(spark_session, "session_id", None)
     suffix = uuid.uuid4().hex[:8]
     faulted, reference = _spec(f"orders_faults_{suffix}"), _spec(f"orders_ref_{suffix}")
     truth = _generate(stack_settings, faulted.topic)
@@ -198,7 +199,7 @@ class Run:
             pytest.fail(f"run {self.run_id} hung for {timeout_s:.0f}s:\n{self.tail()}")
         _wait_group_gone(self.proc.pid)
         # A Connect server finishes what a killed client had sent: wait for it.
-        if code == -signal.SIGKILL and (left := connect_server.wait_idle()):
+        if code == -signal.SIGKILL and (left := connect_server.wait_idle(_OWN_SESSION[0])):
             print(f"FAULTS killed run {self.run_id}: the server still ran {left}")  # noqa: T201
         return code
 
@@ -222,6 +223,8 @@ class Run:
 
 
 _STARTED: list[Run] = []
+# The test's own Spark Connect session (its queries are not a killed run's), if any.
+_OWN_SESSION: list[str | None] = [None]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -30,26 +30,31 @@ def _get(url: str) -> Any:
         return json.load(response)
 
 
-def running(env: Mapping[str, str] | None = None) -> list[str] | None:
-    """Descriptions of the server's SQL executions still running; None without a server."""
+def running(env: Mapping[str, str] | None = None, but: str | None = None) -> list[str] | None:
+    """Descriptions of the server's SQL executions still running, but those of session
+    ``but`` (the test's own); None without a server."""
     ui = _ui(os.environ if env is None else env)
     if ui is None:
         return None
     found = []
     for app in _get(f"{ui}/applications"):
         for execution in _get(f"{ui}/applications/{app['id']}/sql?details=false&length=100000"):
-            if execution.get("status") == "RUNNING":
-                found.append(str(execution.get("description", "")))
+            text = str(execution.get("description", ""))
+            if execution.get("status") == "RUNNING" and f'session_id: "{but}"' not in text:
+                found.append(text[:200])
     return found
 
 
-def wait_idle(timeout_s: float = 300.0, env: Mapping[str, str] | None = None) -> list[str]:
-    """Until the Connect server runs no SQL execution; what ran when the wait began."""
-    first = running(env)
+def wait_idle(
+    but: str | None = None, timeout_s: float = 300.0, env: Mapping[str, str] | None = None
+) -> list[str]:
+    """Until the Connect server runs no SQL execution of a session other than ``but``; what
+    ran when the wait began."""
+    first = running(env, but)
     if not first:
         return []
     deadline = time.monotonic() + timeout_s
-    while running(env):
+    while running(env, but):
         if time.monotonic() > deadline:
             raise AssertionError(f"the Connect server still executes after {timeout_s:.0f}s")
         time.sleep(0.5)
