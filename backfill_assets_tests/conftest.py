@@ -90,6 +90,13 @@ def production(stack_env: dict[str, str]) -> Any:
     return _PRODUCTION[-1]
 
 
+@pytest.fixture(scope="session")
+def kafka_to_fault(stack_settings: Settings) -> object:
+    """What a broker fault test stops a broker of (support/broker_fault.py): the session's
+    single broker's settings, or on the cluster stack the running Kafka cluster."""
+    return _PRODUCTION[-1].kafka.cluster if _PRODUCTION else stack_settings
+
+
 def _cluster_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     from backfill_assets_tests.support.cluster_stack import production_stack
 

@@ -43,12 +43,12 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 import pytest
 
 from backfill_assets.lake import wap
 from backfill_assets.spec.declared import renamed
+from backfill_assets_tests.support import broker_fault, connect_server, warehouse
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
@@ -126,6 +126,7 @@ def world(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> World:
     """The faulted table, seeded with a clean publish of hour 0, and the clean reference."""
+    _OWN_SESSION[0] = getattr(spark_session, "session_id", None)
     suffix = uuid.uuid4().hex[:8]
     faulted, reference = _spec(f"orders_faults_{suffix}"), _spec(f"orders_ref_{suffix}")
     truth = _generate(stack_settings, faulted.topic)
@@ -197,6 +198,9 @@ class Run:
             self.kill()
             pytest.fail(f"run {self.run_id} hung for {timeout_s:.0f}s:\n{self.tail()}")
         _wait_group_gone(self.proc.pid)
+        # A Connect server finishes what a killed client had sent: wait for it.
+        if code == -signal.SIGKILL and (left := connect_server.wait_idle(_OWN_SESSION[0])):
+            print(f"FAULTS killed run {self.run_id}: the server still ran {left}")  # noqa: T201
         return code
 
     def kill(self) -> None:
@@ -219,6 +223,8 @@ class Run:
 
 
 _STARTED: list[Run] = []
+# The test's own Spark Connect session (its queries are not a killed run's), if any.
+_OWN_SESSION: list[str | None] = [None]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -402,18 +408,22 @@ def _summary(spark: SparkSession, table: str, snapshot_id: int) -> dict[str, str
     return dict(row[0])
 
 
-def _data_dir(catalog: Catalog, world: World) -> Path:
+@dataclasses.dataclass(frozen=True)
+class DataDir:
+    """A table's data prefix: a local directory, or an S3 prefix on the cluster stack."""
+
+    settings: Settings
+    uri: str
+
+
+def _data_dir(catalog: Catalog, world: World) -> DataDir:
     ident = f"{world.settings.catalog.namespace}.{world.spec.raw_table}"
-    return _local_path(catalog.load_table(ident).location()) / "data"
+    return DataDir(world.settings, catalog.load_table(ident).location().rstrip("/") + "/data")
 
 
-def _local_path(uri: str) -> Path:
-    return Path(urlparse(uri).path)
-
-
-def _data_files(root: Path) -> set[str]:
+def _data_files(root: DataDir) -> set[str]:
     """Every data file under a table's data directory (referenced by a snapshot or not)."""
-    return {str(p) for p in root.rglob("*.parquet")}
+    return warehouse.parquet_files(root.settings, root.uri)
 
 
 # ------------------------------------------------------------------------------ the failpoints
@@ -585,7 +595,7 @@ def test_rerun_after_kills_converges(
 def _referenced_files(spark: SparkSession, table: str) -> set[str]:
     """Data files referenced by any snapshot of any ref of ``table``."""
     rows = spark.sql(f"SELECT file_path FROM {table}.all_data_files").collect()
-    return {str(_local_path(r["file_path"])) for r in rows}
+    return {warehouse.object_name(r["file_path"]) for r in rows}
 
 
 # ------------------------------------------------------------------------------ the broker
@@ -595,14 +605,12 @@ BROKER_DOWN_S = 5.0
 
 
 def test_broker_restart_mid_replay_fails_clearly_or_recovers(
-    world: World, spark_session: SparkSession
+    world: World, spark_session: SparkSession, kafka_to_fault: object
 ) -> None:
     """The session's broker is stopped during a throttled read and started again (same port,
     same data). The run must end on its own, never hang: either it retried and published the
     exact window, or it failed naming what it could not read with main untouched. Either way
     a re-run (if needed) converges with nothing lost or duplicated."""
-    from backfill_assets.stack.broker import LocalBroker
-
     spark = spark_session
     pre = _main_state(spark, world)
     scope = _hours(*BROKER_HOURS)
@@ -610,7 +618,7 @@ def test_broker_restart_mid_replay_fails_clearly_or_recovers(
     records = sum(world.truth.kafka_hours[h]["records"] for h in scope)
     # At the cap the read alone lasts this long; the broker goes down well inside it.
     assert records / THROTTLE_RECORDS_PER_S >= 3 * BROKER_DOWN_S
-    broker = LocalBroker(world.settings)
+    broker = broker_fault.victim(kafka_to_fault, world.spec.topic)
     bootstrap = broker.bootstrap
     pid_before = broker.status().pid
 
@@ -620,7 +628,7 @@ def test_broker_restart_mid_replay_fails_clearly_or_recovers(
     # The offsets contract comes from Python (librdkafka); the read from Spark's JVM. Once that
     # JVM holds a connection to the broker, the throttled chunked read is under way.
     deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not _java_connected(run.proc.pid, world.settings.kafka.local_port):
+    while not broker.reading(run.proc.pid):
         assert run.proc.poll() is None, f"run ended before reading:\n{run.tail()}"
         assert time.monotonic() < deadline, "the run's Spark never connected to Kafka"
         time.sleep(0.2)
@@ -654,33 +662,6 @@ def test_broker_restart_mid_replay_fails_clearly_or_recovers(
         assert rerun.wait() == 0, rerun.tail()
         final = _assert_clean(spark, world, set(pre.hours | scope))
     print(f"FAULTS broker restart mid-replay: {outcome}; main {final.snapshot_id}")  # noqa: T201
-
-
-def _java_connected(pgid: int, port: int) -> bool:
-    """Whether a Java process of group ``pgid`` has an established TCP connection to ``port``
-    on this host (from /proc: the sockets of the group's JVM, matched in the TCP tables)."""
-    inodes: set[str] = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if os.getpgid(int(proc.name)) != pgid:
-                continue
-            if not (proc / "cmdline").read_bytes().split(b"\0")[0].endswith(b"java"):
-                continue
-            for fd in (proc / "fd").iterdir():
-                link = os.readlink(fd)
-                if link.startswith("socket:["):
-                    inodes.add(link.removeprefix("socket:[").removesuffix("]"))
-        except OSError:
-            continue
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            remote_port = int(fields[2].rsplit(":", 1)[1], 16)
-            if fields[3] == "01" and remote_port == port and fields[9] in inodes:
-                return True
-    return False
 
 
 def _audit_events(world: World, run_id: str) -> list[tuple[str, str]]:

@@ -38,9 +38,13 @@ for tier in $tiers; do
   if [ "$tier" = cluster ]; then
     # The same marker on the production-shaped stack (backfill_assets_tests/support/
     # cluster_stack.py): Postgres, S3Proxy, 3 SASL/SCRAM TLS brokers, a Spark standalone cluster
-    # behind a Spark Connect server. The modules above start their own servers instead.
-    echo "== pytest (-m cluster, BACKFILL_TEST_STACK=cluster)"
-    BACKFILL_TEST_STACK=cluster .venv/bin/python -m pytest -m cluster "$@" \
-      backfill_assets_tests/test_cluster.py
+    # behind a Spark Connect server. The modules above start their own servers instead. The
+    # exactness and fault modules run there unchanged too (their slow Berlin test starts a
+    # local stack of its own, so it stays in the slow tier).
+    echo "== pytest (cluster stack: test_cluster, exactness, faults; BACKFILL_TEST_STACK=cluster)"
+    BACKFILL_TEST_STACK=cluster .venv/bin/python -m pytest \
+      -m "cluster or faults or not (slow or browser or convergence)" "$@" \
+      backfill_assets_tests/test_cluster.py backfill_assets_tests/test_exactness.py \
+      backfill_assets_tests/test_rollback_faults.py backfill_assets_tests/test_faults.py
   fi
 done

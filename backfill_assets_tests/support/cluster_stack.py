@@ -98,7 +98,10 @@ def _spark_env(master: str) -> dict[str, str]:
         "BACKFILL_SPARK_DRIVER_MEMORY": "1g",
         "BACKFILL_SPARK_EXECUTOR_MEMORY": "512m",
         "BACKFILL_SPARK_EXECUTOR_CORES": "1",
-        "BACKFILL_SPARK_CONF": json.dumps({"spark.cores.max": "2"}),
+        # The server's UI on a port of its own: support/connect_server.py asks it what runs.
+        "BACKFILL_SPARK_CONF": json.dumps(
+            {"spark.cores.max": "2", "spark.ui.port": str(free_port())}
+        ),
         "BACKFILL_SPARK_CONNECT_PORT": str(free_port()),
     }
 
