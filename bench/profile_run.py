@@ -1,0 +1,169 @@
+"""Profile: where one 1-hour backfill's run spends its time, by the project's functions.
+
+Starts its own broker (and, unless ``--classic``, a warm local Spark Connect server, as
+``stack up`` does) in a temporary ``BACKFILL_HOME``, writes a few hours of demo ``orders``
+history, then materializes what ``backfill-assets backfill`` materializes for one hour (raw,
+current state, declared tables whose hours settled) in this process, with Dagster's
+``materialize``: hour 0 (creates the tables) and hour 1 unprofiled, hour 2 under cProfile.
+Prints each run's seconds, then the project's functions by cumulative time and the Spark
+calls each one made (Connect mode: time waiting on the server). No webserver or daemon: the
+launch, queue and run-process phases are bench/latency.py's.
+
+Run from the repository root (jars resolved by scripts/bootstrap.sh):
+    .venv/bin/python bench/profile_run.py              # runs as Spark Connect thin clients
+    .venv/bin/python bench/profile_run.py --classic    # classic in-process Spark
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))  # the checkout's test support (not part of the package)
+from backfill_assets_tests.support.services import free_port  # noqa: E402
+
+START = datetime(2026, 6, 1, tzinfo=UTC)
+SPARK_CALLS = (
+    "collect",
+    "count",
+    "first",
+    "sql",
+    "localCheckpoint",
+    "overwrite",
+    "append",
+    "toPandas",
+    "columns",
+    "createOrReplaceTempView",
+)
+
+
+def spark_calls(stats: pstats.Stats, top: int) -> list[tuple[float, int, str]]:
+    """(seconds, calls, 'caller -> Spark method') for Spark DataFrame/session calls made
+    directly from the project's code, largest first."""
+    rows = []
+    for func, (_cc, _nc, _tt, _ct, callers) in stats.stats.items():  # type: ignore[attr-defined]
+        if "pyspark/sql" not in func[0] or func[2] not in SPARK_CALLS:
+            continue
+        for caller, (calls, _p, _t, cumulative) in callers.items():
+            if "backfill_assets/" in caller[0]:
+                where = caller[0].split("backfill_assets/")[-1]
+                rows.append((cumulative, calls, f"{where}:{caller[1]} {caller[2]} -> {func[2]}"))
+    return sorted(rows, reverse=True)[:top]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--classic", action="store_true", help="classic in-process Spark")
+    parser.add_argument("--events-per-hour", type=int, default=600)
+    parser.add_argument("--top", type=int, default=30, help="rows of each table")
+    parser.add_argument("--save", type=Path, help="write the cProfile stats here")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")  # Dagster's beta notices on import
+
+    home = Path(tempfile.mkdtemp(prefix="bench-profile-"))
+    os.environ.update(
+        {
+            "BACKFILL_HOME": str(home),
+            "BACKFILL_JAR_CACHE": os.environ.get(
+                "BACKFILL_JAR_CACHE", str(REPO_ROOT / ".stack" / "jars")
+            ),
+            "BACKFILL_KAFKA_PORT": str(free_port()),
+            "BACKFILL_KAFKA_CONTROLLER_PORT": str(free_port()),
+            "BACKFILL_SPARK_CONNECT_PORT": str(free_port()),
+            "BACKFILL_DAGSTER_STORAGE": str(home / "dagster"),
+            "PYICEBERG_HOME": str(home / "pyiceberg-home"),
+            "BACKFILL_SENSORS": "off",
+        }
+    )
+    import dagster as dg
+
+    from backfill_assets.defs.definitions import SPECS, build_defs, build_resources
+    from backfill_assets.demo.generator import GeneratorConfig, generate
+    from backfill_assets.ops.cli import common
+    from backfill_assets.stack import catalog, jars
+    from backfill_assets.stack.broker import LocalBroker
+    from backfill_assets.stack.settings import Settings
+
+    settings = Settings.from_env()
+    jars.resolve_all(settings)
+    broker = LocalBroker(settings)
+    broker.start()
+    server: Any = None
+    try:
+        if not args.classic:
+            from backfill_assets.stack.connect import LocalConnectServer
+
+            server = LocalConnectServer(Settings.from_env())
+            print(server.start().describe(), flush=True)
+            os.environ["BACKFILL_SPARK_CONNECT"] = server.url
+        spec = next(s for s in SPECS if s.topic == "orders")
+        config = GeneratorConfig(
+            topic="orders", start=START, hours=4, events_per_hour=args.events_per_hour, seed=7
+        )
+        generate(settings, config)
+        catalog.init_local_catalog(settings.catalog)
+        cat = catalog.load(settings.catalog)
+        cat.create_namespace_if_not_exists(settings.catalog.namespace)
+        defs = build_defs(SPECS)
+        resources = build_resources()
+        instance = dg.DagsterInstance.ephemeral()
+
+        def one(hour: int) -> float:
+            first = START + timedelta(hours=hour)
+            ranges = common.ranges(spec, first, first + timedelta(hours=1))
+            keys = [key for keys, _, _ in ranges for key in keys]
+            began = time.monotonic()
+            result = dg.materialize(
+                list(defs.assets or []),  # type: ignore[arg-type]
+                selection=keys,
+                partition_key=f"{first:%Y-%m-%d-%H:%M}",
+                resources=resources,
+                instance=instance,
+                raise_on_error=True,
+            )
+            assert result.success
+            return time.monotonic() - began
+
+        print(f"hour 0 (creates the tables): {one(0):.1f} s", flush=True)
+        print(f"hour 1: {one(1):.1f} s", flush=True)
+        profile = cProfile.Profile()
+        profile.enable()
+        seconds = one(2)
+        profile.disable()
+        print(f"hour 2 (profiled): {seconds:.1f} s, load {os.getloadavg()[0]:.1f}\n")
+        if args.save:
+            profile.dump_stats(str(args.save))
+        stats = pstats.Stats(profile, stream=sys.stdout)
+        stats.sort_stats("cumulative").print_stats(r"backfill_assets/(lake|defs)/", args.top)
+        print("Spark calls made by the project's code (seconds, calls):")
+        for cumulative, calls, label in spark_calls(stats, args.top):
+            print(f"  {cumulative:7.2f} {calls:3d}  {label}")
+    finally:
+        from pyspark.sql import SparkSession
+
+        active = SparkSession.getActiveSession()
+        if active is not None:
+            active.stop()  # a Connect client's threads would keep the process alive
+        if server is not None:
+            server.stop()
+        broker.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
+    # Some non-daemon thread of the Connect client or Dagster keeps the interpreter from
+    # exiting once everything above has been stopped; the figures are printed, so leave.
+    sys.stdout.flush()
+    os._exit(0)
