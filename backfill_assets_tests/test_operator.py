@@ -156,6 +156,8 @@ def _graphql(url: str, query: str) -> dict[str, Any]:
         return data
 
 
+# Long (2-4 min): in the slow tier, which CI runs, to keep the default tier near 20 min.
+@pytest.mark.slow
 def test_backfill_audit_and_rollback(
     orders: GroundTruth,
     cli_env: dict[str, str],
@@ -271,6 +273,8 @@ def test_backfill_audit_and_rollback(
     assert events.count("rollback") == 4
 
 
+# Long (2-4 min): in the slow tier, which CI runs, to keep the default tier near 20 min.
+@pytest.mark.slow
 def test_one_hour_is_launched_as_one_run(
     orders: GroundTruth,
     cli_env: dict[str, str],

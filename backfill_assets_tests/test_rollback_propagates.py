@@ -120,6 +120,8 @@ def _hourly_equals_truth(world: World, spark: SparkSession, table: str) -> None:
     assert want and got == want
 
 
+# Long (2-4 min): in the slow tier, which CI runs, to keep the default tier near 20 min.
+@pytest.mark.slow
 def test_rollback_of_raw_hours_makes_every_reader_due(
     world: World, stack_settings: Settings, spark_session: SparkSession
 ) -> None:

@@ -122,6 +122,8 @@ def _h(hour: int) -> str:
     return (START + timedelta(hours=hour)).strftime("%Y-%m-%d-%H:%M")
 
 
+# Long (2-4 min): in the slow tier, which CI runs, to keep the default tier near 20 min.
+@pytest.mark.slow
 def test_gaps_rollbacks_and_late_data(
     world: World, stack_settings: Settings, spark_session: SparkSession
 ) -> None:
