@@ -175,6 +175,7 @@ def main() -> None:
             )
         inside = sum(abs(r["error"]) <= GOAL for r in rows)
         print(f"{inside}/{len(rows)} within +-{100 * GOAL:.0f}% (goal: all)")
+        _print_history(planner, instance, spec)
     finally:
         if server is not None:
             server.stop()
@@ -183,6 +184,18 @@ def main() -> None:
             print(f"kept {home}")
         else:
             shutil.rmtree(home, ignore_errors=True)
+
+
+def _print_history(planner: Any, instance: Any, spec: Any) -> None:
+    """The raw runs the planner learns from (records, RUN_START to end), oldest first: the
+    data a model of run time has to fit."""
+    from backfill_assets.defs.assets import raw_asset_key
+
+    history = planner._history(instance, raw_asset_key(spec))
+    print()
+    print("raw runs the planner learned from (oldest first): records, wall s")
+    for h in reversed(list(history.values())):
+        print(f"  {h['records']:>9,.0f}  {h['wall_s']:>7.1f}")
 
 
 def _concurrency() -> int:
