@@ -93,6 +93,13 @@ def main() -> None:
     parser.add_argument("--events-per-hour", type=int, default=5000)
     parser.add_argument("--live-rate", type=int, default=200)
     parser.add_argument("--seconds", type=float, default=30)
+    parser.add_argument(
+        "--connect",
+        action="store_true",
+        help="replay as a thin client of a local Spark Connect server this script starts with "
+        "the default settings (the shared engine): the server's Spark, not the run's, competes "
+        "with the live consumer",
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # Dagster's beta notices on import
 
@@ -119,7 +126,16 @@ def main() -> None:
     settings = Settings.from_env()
     broker = LocalBroker(settings)
     broker.start()
+    server = None
     try:
+        if args.connect:
+            from backfill_assets.stack.connect import LocalConnectServer
+
+            os.environ["BACKFILL_SPARK_CONNECT_PORT"] = str(free_port())
+            server = LocalConnectServer(Settings.from_env())
+            print(server.start().describe(), flush=True)
+            os.environ["BACKFILL_SPARK_CONNECT"] = server.url
+            settings = Settings.from_env()
         history = f"history_{uuid.uuid4().hex[:6]}"
         truth = generate(
             settings,
@@ -143,7 +159,8 @@ def main() -> None:
             HISTORY_START + timedelta(hours=args.history_hours),
         )
         print(f"history: {contract.records:,} records ({truth.totals['records']:,} generated)")
-        print(f"Spark master: {settings.spark_master}")
+        engine = "a local Spark Connect server" if args.connect else settings.spark_master
+        print(f"Spark: {engine}; load average {os.getloadavg()[0]:.1f}")
 
         # A. Throttle accuracy (and the unthrottled read as a baseline in the same process).
         began = time.monotonic()
@@ -185,6 +202,8 @@ def main() -> None:
         print(f"  p99 ratio (with / without): {pct(busy, 99) / pct(quiet, 99):.2f}x (goal <= 1.2x)")
         spark.stop()
     finally:
+        if server is not None:
+            server.stop()
         broker.stop()
 
 
