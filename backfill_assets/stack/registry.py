@@ -42,10 +42,12 @@ class RegistryStatus:
     running: bool
     ready: bool
     url: str
+    external: bool = False
 
     def describe(self) -> str:
-        if self.pid is None and self.ready:
-            return f"schema registry (external) ready url={self.url}"
+        if self.external:
+            state = "answering" if self.ready else "NOT answering"
+            return f"schema registry (BACKFILL_SCHEMA_REGISTRY_URL) {state} url={self.url}"
         state = "running" if self.running else "stopped"
         if self.running and not self.ready:
             state += " (not ready)"
@@ -196,7 +198,7 @@ def external_status(settings: Settings) -> RegistryStatus:
             ready = resp.status == 200
     except (OSError, urllib.error.URLError):
         ready = False
-    return RegistryStatus(pid=None, running=ready, ready=ready, url=url)
+    return RegistryStatus(pid=None, running=ready, ready=ready, url=url, external=True)
 
 
 def _alive(pid: int) -> bool:
