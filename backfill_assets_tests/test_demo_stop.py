@@ -110,6 +110,7 @@ def demo_env(
         "PYICEBERG_HOME": str(home / "pyiceberg-home"),
         "BACKFILL_WEBSERVER_PORT": str(_free_port()),
         "BACKFILL_SPARK_CONNECT_PORT": str(_free_port()),
+        "BACKFILL_SCHEMA_REGISTRY_PORT": str(_free_port()),
         "DAGSTER_HOME": str(dagster_home),
         "DEMO_HOURS": "2",
         "DEMO_RATE": "60",

@@ -68,11 +68,21 @@ def test_a_throttled_process_gets_half_the_local_cores_unless_the_master_is_set(
         ({"BACKFILL_SENSOR_INTERVAL_S": "0"}, "BACKFILL_SENSOR_INTERVAL_S='0' must be a positive"),
         ({"BACKFILL_SENSOR_INTERVAL_S": "2m"}, "BACKFILL_SENSOR_INTERVAL_S='2m' is not a whole"),
         ({"BACKFILL_SENSOR_INTERVAL_S": "90000"}, "BACKFILL_SENSOR_INTERVAL_S=90000 .* 1 to 86400"),
+        ({"BACKFILL_SCHEMA_REGISTRY_URL": "registry:8081"}, "BACKFILL_SCHEMA_REGISTRY_URL"),
+        ({"BACKFILL_SCHEMA_REGISTRY_PORT": "99999"}, "BACKFILL_SCHEMA_REGISTRY_PORT=99999"),
     ],
 )
 def test_bad_values_name_the_variable_and_what_is_allowed(env: dict[str, str], names: str) -> None:
     with pytest.raises(SettingsError, match=names):
         Settings.from_env(env)
+
+
+def test_schema_registry_is_the_local_one_unless_a_url_is_set() -> None:
+    local = Settings.from_env({"BACKFILL_SCHEMA_REGISTRY_PORT": "18555"})
+    assert local.schema_registry_url == "http://127.0.0.1:18555/apis/ccompat/v7"
+    assert local.schema_registry_url_setting is None
+    remote = Settings.from_env({"BACKFILL_SCHEMA_REGISTRY_URL": "https://sr.example.internal/"})
+    assert remote.schema_registry_url == "https://sr.example.internal"
 
 
 def test_secrets_stay_out_of_repr() -> None:

@@ -2,7 +2,8 @@
 # Install everything the project needs on a fresh machine, idempotently:
 #   .venv with the Python packages of requirements.lock (re-installed when it or pyproject.toml
 #   changes)
-#   JVM jars from Maven Central into .stack/jars (re-resolved only when a pom changes)
+#   JVM jars from Maven Central into .stack/jars (re-resolved only when a pom changes), and the
+#   local schema registry (Apicurio Registry, maven/schema-registry) built there once (~30-50 s)
 #   the Spark driver's class-data-sharing archive in .stack/jars/cds (built once per jar set)
 #   the project's JVM functions (backfill_assets/stack/java), compiled into .stack/jars/udf
 # Needs: python3.11+, a JDK 17+ (java, javac) and Maven (mvn) on PATH.

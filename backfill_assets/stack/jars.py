@@ -19,8 +19,9 @@ from backfill_assets.stack.settings import Settings
 
 MAVEN_DIR = Path(__file__).resolve().parent / "maven"
 # spark-cloud: Postgres JDBC driver and S3 (only on Spark's classpath for a Postgres catalog or
-# an s3:// warehouse/archive); s3proxy: the test tier's object store, never on Spark's classpath.
-JAR_SETS = ("kafka-broker", "spark", "spark-cloud", "s3proxy")
+# an s3:// warehouse/archive); s3proxy: the test tier's object store, never on Spark's classpath;
+# spark-formats: spark-avro, for decoding schema-registry topics (not on Spark's classpath yet).
+JAR_SETS = ("kafka-broker", "spark", "spark-cloud", "s3proxy", "spark-formats")
 _STAMP = ".resolved-pom.sha256"
 
 
@@ -97,6 +98,81 @@ def jars(settings: Settings, jar_set: str) -> list[Path]:
 
 def _pom_hash(jar_set: str) -> str:
     return hashlib.sha256(pom_path(jar_set).read_bytes()).hexdigest()
+
+
+# The local schema registry (stack/registry.py): a Maven project under maven/schema-registry
+# that Maven and Quarkus build into a runnable application, not a set of jars.
+REGISTRY_PROJECT = MAVEN_DIR / "schema-registry"
+
+
+def registry_dir(settings: Settings) -> Path:
+    return settings.jar_cache / "schema-registry"
+
+
+def registry_jar_path(settings: Settings) -> Path:
+    """The registry's launcher jar (Quarkus fast-jar layout: ``quarkus-app/quarkus-run.jar``)."""
+    return registry_dir(settings) / "quarkus-app" / "quarkus-run.jar"
+
+
+def registry_built(settings: Settings) -> bool:
+    stamp = registry_dir(settings) / _STAMP
+    return (
+        registry_jar_path(settings).is_file()
+        and stamp.is_file()
+        and stamp.read_text().strip() == _registry_hash()
+    )
+
+
+def build_registry(settings: Settings) -> bool:
+    """Build the schema registry application into ``<jar_cache>/schema-registry`` (about 30 s
+    and 130 MB, once per change of its Maven project); True if Maven ran. Atomic like
+    :func:`resolve`: built in a temporary directory renamed into place, stamp written last."""
+    if registry_built(settings):
+        return False
+    mvn = shutil.which("mvn")
+    if mvn is None:
+        raise JarResolutionError(
+            "Maven (mvn) is not on PATH; install it (apt-get install maven) and run "
+            "`backfill-assets jars resolve` again"
+        )
+    target = registry_dir(settings)
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    cmd = [
+        mvn,
+        "-B",
+        "-q",
+        "-s",
+        str(MAVEN_DIR / "settings.xml"),
+        "-f",
+        str(REGISTRY_PROJECT / "pom.xml"),
+        f"-Dregistry.build.dir={staging}",
+        "-DskipTests",
+        "package",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0 or not (staging / "quarkus-app" / "quarkus-run.jar").is_file():
+        shutil.rmtree(staging, ignore_errors=True)
+        errors = [line for line in proc.stdout.splitlines() if "ERROR" in line][:5]
+        raise JarResolutionError(
+            f"Maven could not build the schema registry from {REGISTRY_PROJECT}:\n"
+            + "\n".join(errors or proc.stderr.splitlines()[-5:])
+            + "\nCheck that Maven Central is reachable, then run `backfill-assets jars resolve`."
+        )
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    (target / _STAMP).write_text(_registry_hash() + "\n")
+    return True
+
+
+def _registry_hash() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in REGISTRY_PROJECT.rglob("*") if p.is_file()):
+        if "target" in path.relative_to(REGISTRY_PROJECT).parts:
+            continue
+        digest.update(path.relative_to(REGISTRY_PROJECT).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 JAVA_SOURCES = Path(__file__).parent / "java"

@@ -229,6 +229,18 @@ class Settings:
     # ``stack up`` starts (BACKFILL_SPARK_CONNECT_PORT).
     spark_connect: str | None = None
     spark_connect_port: int = 15002
+    # Schema registry (issue 28): a Confluent-API registry's URL (BACKFILL_SCHEMA_REGISTRY_URL;
+    # None: the local one ``stack up`` starts on 127.0.0.1:BACKFILL_SCHEMA_REGISTRY_PORT).
+    schema_registry_url_setting: str | None = None
+    schema_registry_port: int = 18081
+
+    @property
+    def schema_registry_url(self) -> str:
+        """The registry's Confluent-compatible base URL: the configured one, else the local
+        registry's (stack/registry.py)."""
+        if self.schema_registry_url_setting:
+            return self.schema_registry_url_setting
+        return local_registry_url(self.schema_registry_port)
 
     def with_secrets(
         self,
@@ -304,6 +316,8 @@ class Settings:
             run_executor=_run_executor(env),
             spark_connect=_spark_connect(env),
             spark_connect_port=_port(env, "BACKFILL_SPARK_CONNECT_PORT", 15002),
+            schema_registry_url_setting=_schema_registry_url(env),
+            schema_registry_port=_port(env, "BACKFILL_SCHEMA_REGISTRY_PORT", 18081),
         )
 
 
@@ -322,6 +336,30 @@ def secrets_set(environ: Mapping[str, str] | None = None) -> frozenset[str]:
     their values are not returned."""
     env = os.environ if environ is None else environ
     return frozenset(name for name in SECRET_VARS if name in env)
+
+
+# --- Schema registry (issue 28) -----------------------------------------------------------
+# Where Apicurio Registry (the local registry) serves the Confluent Schema Registry API.
+CCOMPAT_PATH = "/apis/ccompat/v7"
+
+
+def local_registry_url(port: int) -> str:
+    return f"http://127.0.0.1:{port}{CCOMPAT_PATH}"
+
+
+def _schema_registry_url(env: Mapping[str, str]) -> str | None:
+    """``BACKFILL_SCHEMA_REGISTRY_URL``: an http(s) URL of a Confluent-API schema registry
+    (Apicurio's is ``.../apis/ccompat/v7``); unset or empty: the local registry."""
+    name = "BACKFILL_SCHEMA_REGISTRY_URL"
+    raw = (env.get(name) or "").strip().rstrip("/")
+    if not raw:
+        return None
+    if re.fullmatch(r"https?://[^/\s]+(/\S*)?", raw) is None:
+        raise SettingsError(
+            f"{name} must be an http(s) URL of a Confluent-API schema registry "
+            f"(e.g. http://127.0.0.1:18081{CCOMPAT_PATH}), or unset for the local registry"
+        )
+    return raw
 
 
 # --- Spark Connect (issue 27) -------------------------------------------------------------

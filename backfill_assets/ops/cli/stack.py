@@ -14,6 +14,7 @@ from backfill_assets.ops.cli.output import Ui
 from backfill_assets.stack import catalog, jars
 from backfill_assets.stack.broker import LocalBroker
 from backfill_assets.stack.connect import LocalConnectServer
+from backfill_assets.stack.registry import LocalRegistry, RegistryStatus, external_status
 from backfill_assets.stack.settings import Settings
 
 
@@ -54,6 +55,8 @@ def _resolve_jars(settings: Settings) -> dict[str, dict[str, Any]]:
     }
     built = not jars.udf_jar_path(settings).is_file()
     resolved["udf"] = {"resolved": built, "dir": str(jars.udf_jar(settings).parent)}
+    built = jars.build_registry(settings)
+    resolved["schema-registry"] = {"resolved": built, "dir": str(jars.registry_dir(settings))}
     return resolved
 
 
@@ -109,16 +112,28 @@ def catalog_command(ui: Ui, settings: Settings, action: str) -> int:
 @click.argument("action", type=click.Choice(["up", "down", "status"]))
 @with_ui
 def stack_command(ui: Ui, settings: Settings, action: str) -> int:
-    """The whole local stack: jars, catalog, broker, and the Spark Connect server that runs
-    reach when BACKFILL_SPARK_CONNECT names it (port BACKFILL_SPARK_CONNECT_PORT)."""
+    """The whole local stack: jars, catalog, broker, the schema registry (unless
+    BACKFILL_SCHEMA_REGISTRY_URL names one; port BACKFILL_SCHEMA_REGISTRY_PORT), and the Spark
+    Connect server that runs reach when BACKFILL_SPARK_CONNECT names it (port
+    BACKFILL_SPARK_CONNECT_PORT)."""
     broker = LocalBroker(settings)
     server = LocalConnectServer(settings)
     if action == "down":
+        registry_stopped = LocalRegistry(settings).stop()
+        ui.line(
+            "schema registry stopped" if registry_stopped else "schema registry was not running"
+        )
         spark_stopped = server.stop()
         ui.line("spark connect stopped" if spark_stopped else "spark connect was not running")
         stopped = broker.stop()
         ui.line("broker stopped" if stopped else "broker was not running")
-        ui.emit({"stopped": stopped, "spark_connect_stopped": spark_stopped})
+        ui.emit(
+            {
+                "stopped": stopped,
+                "spark_connect_stopped": spark_stopped,
+                "schema_registry_stopped": registry_stopped,
+            }
+        )
         return 0
     doc: dict[str, Any] = {}
     if action == "up":
@@ -131,17 +146,31 @@ def stack_command(ui: Ui, settings: Settings, action: str) -> int:
         with ui.spinner("starting the broker"):
             status = broker.start()
         ui.line(status.describe())
+        with ui.spinner("starting the schema registry"):
+            registry_status = _registry(settings, start=True)
         with ui.spinner("starting the Spark Connect server"):
             spark_status = server.start()
     else:
         status = broker.status()
         ui.line(status.describe())
+        registry_status = _registry(settings, start=False)
         spark_status = server.status()
+    ui.line(registry_status.describe())
     ui.line(spark_status.describe())
     doc["broker"] = asdict(status)
+    doc["schema_registry"] = asdict(registry_status)
     doc["spark_connect"] = asdict(spark_status)
     ui.emit(doc)
     return 0
+
+
+def _registry(settings: Settings, *, start: bool) -> RegistryStatus:
+    """The local schema registry's status (started first when ``start``), or that of the
+    registry BACKFILL_SCHEMA_REGISTRY_URL names, which the stack never starts or stops."""
+    if settings.schema_registry_url_setting:
+        return external_status(settings)
+    registry = LocalRegistry(settings)
+    return registry.start() if start else registry.status()
 
 
 @click.command("generate")

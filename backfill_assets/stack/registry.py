@@ -1,0 +1,227 @@
+"""The local schema registry: Apicurio Registry with its Confluent-compatible API.
+
+``backfill-assets stack up`` starts it unless ``BACKFILL_SCHEMA_REGISTRY_URL`` names another
+registry. It is the Quarkus application :func:`backfill_assets.stack.jars.build_registry` builds
+from Maven Central at bootstrap (``maven/schema-registry``), one JVM listening on
+``127.0.0.1:<port>`` with in-memory storage (H2): its schemas live as long as the process.
+Clients use the Confluent Schema Registry API under :data:`~backfill_assets.stack.settings.
+CCOMPAT_PATH` (confluent-kafka's ``SchemaRegistryClient`` and serializers).
+
+Its PID file and log live under ``<BACKFILL_HOME>/schema-registry``; ``stop`` signals only the
+PID this module started (checked against the process command line).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from backfill_assets.errors import StackError
+from backfill_assets.stack import jars
+from backfill_assets.stack.settings import Settings, local_registry_url
+
+
+class RegistryError(StackError):
+    """The local schema registry could not be built, started, reached or stopped."""
+
+
+@dataclass(frozen=True)
+class RegistryStatus:
+    """What ``backfill-assets stack status`` reports for the schema registry."""
+
+    pid: int | None
+    running: bool
+    ready: bool
+    url: str
+    external: bool = False
+
+    def describe(self) -> str:
+        if self.external:
+            state = "answering" if self.ready else "NOT answering"
+            return f"schema registry (BACKFILL_SCHEMA_REGISTRY_URL) {state} url={self.url}"
+        state = "running" if self.running else "stopped"
+        if self.running and not self.ready:
+            state += " (not ready)"
+        pid = f" pid={self.pid}" if self.pid is not None else ""
+        return f"schema registry {state} url={self.url}{pid}"
+
+
+class LocalRegistry:
+    """One local Apicurio Registry on ``port`` (default: the settings' registry port)."""
+
+    def __init__(self, settings: Settings, port: int | None = None) -> None:
+        self.settings = settings
+        self.port = settings.schema_registry_port if port is None else port
+        self.dir = settings.home / "schema-registry"
+        self.pid_path = self.dir / "registry.pid"
+        self.log_path = self.dir / "registry.log"
+
+    @property
+    def url(self) -> str:
+        """The Confluent-compatible base URL clients use."""
+        return local_registry_url(self.port)
+
+    @property
+    def health_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/health/ready"
+
+    def start(self, timeout_s: float = 90.0) -> RegistryStatus:
+        """Build the application if needed, start it and wait until it reports ready; a no-op
+        (after waiting for readiness) when ours already runs."""
+        proc = self.launch()
+        try:
+            self.wait_ready(timeout_s, proc)
+        except RegistryError:
+            if proc is not None:
+                self.stop()
+            raise
+        return self.status()
+
+    def launch(self) -> subprocess.Popen[bytes] | None:
+        """Start the JVM without waiting; None if ours already runs."""
+        if self.running_pid() is not None:
+            return None
+        jars.build_registry(self.settings)
+        java = shutil.which("java")
+        if java is None:
+            raise RegistryError("java is not on PATH: the schema registry needs a JDK 17")
+        _require_free_port(self.port)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            java,
+            "-Xmx256m",
+            "-XX:+UseSerialGC",
+            "-XX:TieredStopAtLevel=1",
+            "-Dquarkus.http.host=127.0.0.1",
+            f"-Dquarkus.http.port={self.port}",
+            "-jar",
+            str(jars.registry_jar_path(self.settings)),
+        ]
+        with self.log_path.open("ab") as log:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=self.dir,
+            )
+        self.pid_path.write_text(f"{proc.pid}\n")
+        return proc
+
+    def wait_ready(self, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RegistryError(
+                    f"the schema registry exited with code {proc.returncode} during start-up. "
+                    f"Last lines of {self.log_path}:\n{self._log_tail()}"
+                )
+            if self.ready():
+                return
+            time.sleep(0.25)
+        raise RegistryError(
+            f"the schema registry on 127.0.0.1:{self.port} was not ready within "
+            f"{timeout_s:.0f}s. Last lines of {self.log_path}:\n{self._log_tail()}"
+        )
+
+    def ready(self) -> bool:
+        """Whether the registry answers its readiness check with status UP."""
+        try:
+            with urllib.request.urlopen(self.health_url, timeout=2) as resp:
+                return bool(json.load(resp).get("status") == "UP")
+        except (OSError, ValueError):
+            return False
+
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """Stop the registry this module started (SIGTERM, then SIGKILL). True if one ran."""
+        pid = self.running_pid()
+        if pid is None:
+            self.pid_path.unlink(missing_ok=True)
+            return False
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.1)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            while _alive(pid):
+                time.sleep(0.05)
+        self.pid_path.unlink(missing_ok=True)
+        return True
+
+    def status(self) -> RegistryStatus:
+        pid = self.running_pid()
+        return RegistryStatus(
+            pid=pid, running=pid is not None, ready=pid is not None and self.ready(), url=self.url
+        )
+
+    def running_pid(self) -> int | None:
+        """The PID from our PID file if that process is alive and is our registry."""
+        try:
+            pid = int(self.pid_path.read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+        if not _alive(pid):
+            return None
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return None
+        jar = str(jars.registry_jar_path(self.settings)).encode()
+        port = f"-Dquarkus.http.port={self.port}".encode()
+        return pid if jar in cmdline and port in cmdline else None
+
+    def _log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(text[-lines:])
+
+
+def external_status(settings: Settings) -> RegistryStatus:
+    """The status of the registry ``BACKFILL_SCHEMA_REGISTRY_URL`` names (its subject list
+    answers or not); ``stack`` never starts or stops it."""
+    url = settings.schema_registry_url
+    try:
+        with urllib.request.urlopen(url + "/subjects", timeout=5) as resp:
+            ready = resp.status == 200
+    except (OSError, urllib.error.URLError):
+        ready = False
+    return RegistryStatus(pid=None, running=ready, ready=ready, url=url, external=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _require_free_port(port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as err:
+            raise RegistryError(
+                f"port 127.0.0.1:{port} is in use: set BACKFILL_SCHEMA_REGISTRY_PORT to a free "
+                "port, or stop what listens there"
+            ) from err
