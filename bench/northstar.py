@@ -8,6 +8,12 @@ which a share is aborted, identical re-sends, corrections, tombstones, late even
 topic from ``--partitions`` minus a quarter to ``--partitions`` halfway through (a partition
 added mid-way) and puts a few bad records (not JSON, a missing field, a value outside the
 contract) at that point, then keeps the ground truth (truth.parquet in ``--home``).
+The hostile plan is produced asynchronously (each producer's records in plan order, producers
+interleaved as the broker receives them; the truth from the delivery reports) in transactions
+of 1..``--transaction-records``; ``--acked`` uses hostile.produce itself (a record
+acknowledged before the next: ~150 records/s here). ``--generate-only`` stops after that.
+The plan and the truth are Python objects (~0.9 KiB per record: ~9 GiB at 10 M records), and
+the truth's tables are computed in Python after the backfill (~1-2 min per million records).
 
 Each run then, on fresh tables (a new catalog namespace; the Dagster instance in ``--home`` is
 kept, so a later run's planner has the earlier runs as history, as an operator's stack has):
@@ -29,6 +35,7 @@ The issue 31 goals: <= 5 min wall, 0 refusals, every table exact, driver RSS 10x
 
 Run from the repository root (jars resolved by scripts/bootstrap.sh):
     .venv/bin/python bench/northstar.py --home /tmp/bench-northstar          # 30 d x 12 p
+    .venv/bin/python bench/northstar.py --days 3 --home /tmp/bench-northstar-3d  # RSS 1x
     .venv/bin/python bench/northstar.py --days 1 --partitions 3 --events-per-hour 300 \\
         --home /tmp/bench-northstar-small
 """
@@ -55,7 +62,9 @@ from typing import TYPE_CHECKING, Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import latency  # bench/latency.py: the services and the phase breakdown
 
+from backfill_assets.demo.generator import HOUR_MS, _wait_for_topic, partition_for
 from backfill_assets_tests.support import hostile
+from backfill_assets_tests.support.services import dagster_services, free_port
 
 if TYPE_CHECKING:
     from backfill_assets.spec.model import TopicSpec
@@ -109,6 +118,11 @@ def _truth_from_parquet(topic: str, partitions: int, path: Path) -> hostile.Host
     )
 
 
+class _Reports(list[tuple[Any, int]]):
+    def append_delivery(self, err: Any, msg: Any) -> None:
+        self.append((err, msg.offset()))
+
+
 def _produce_bad(settings: Settings, topic: str, partitions: int, at_ms: int, n: int) -> list[Any]:
     """``n`` bad records, round-robin over the partitions, plain (non-transactional) producer,
     stamped ``at_ms``; acknowledged one by one so the truth has their offsets."""
@@ -118,14 +132,14 @@ def _produce_bad(settings: Settings, topic: str, partitions: int, at_ms: int, n:
     out = []
     for i in range(n):
         partition, value = i % partitions, BAD_PAYLOADS[i % len(BAD_PAYLOADS)]
-        report: list[Any] = []
+        report = _Reports()
         producer.produce(
             topic,
             value=value,
             key=f"bad-{i}".encode(),
             partition=partition,
             timestamp=at_ms,
-            on_delivery=lambda err, msg, report=report: report.append((err, msg.offset())),
+            on_delivery=report.append_delivery,
         )
         producer.flush(30)
         if not report or report[0][0] is not None:
@@ -158,6 +172,114 @@ def _wait_stable(topic: str) -> None:
     raise RuntimeError(f"{topic}: a transaction stayed open")
 
 
+def produce_async(
+    settings: Settings, config: hostile.HostileConfig, plan: list[Any], first: int, last: int
+) -> hostile.HostileTruth:
+    """hostile.produce's records of hours ``first..last`` (same plan, producers, transactions,
+    aborts, partitioning and timestamps), sent without waiting for each acknowledgement: each
+    producer's records stay in plan order (idempotent producers), but producers interleave
+    freely within a partition. The truth still comes from the delivery reports (offsets)."""
+    from confluent_kafka import KafkaException, Producer
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient(dict(settings.kafka.client_config()))
+    if not hostile._topic_exists(admin, config.topic):
+        hostile.create_topic(settings, config)
+    partitions = _wait_for_topic(admin, config.topic)
+    producers = []
+    for i in range(len(config.producer_skews_ms)):
+        producer = Producer(
+            {
+                **settings.kafka.client_config(),
+                "transactional.id": f"{config.topic}.hostile.{i}",
+                "transaction.timeout.ms": config.transaction_timeout_ms,
+                "linger.ms": 5,
+                "retry.backoff.ms": 10,
+            }
+        )
+        producer.init_transactions(30)
+        producers.append(producer)
+    records: list[hostile.HostileRecord] = []
+    errors: list[str] = []
+
+    def report(item: Any, partition: int) -> Any:
+        def on_delivery(err: Any, msg: Any) -> None:
+            if err is not None or msg.timestamp()[1] != item.timestamp_ms(config):
+                errors.append(f"{item.index}: {err} {msg.timestamp()}")
+                return
+            records.append(
+                hostile.HostileRecord(
+                    partition=partition,
+                    offset=msg.offset(),
+                    timestamp_ms=msg.timestamp()[1],
+                    key=item.key,
+                    value=item.value,
+                    event_id=item.event_id,
+                    producer=item.producer,
+                    kind=item.kind,
+                    committed=item.commit,
+                )
+            )
+
+        return on_delivery
+
+    in_txn: set[int] = set()
+    try:
+        for item in plan:
+            if not first <= item.hour_index(config) <= last:
+                continue
+            producer = producers[item.producer]
+            if item.producer not in in_txn:
+                producer.begin_transaction()
+                in_txn.add(item.producer)
+            partition = partition_for(item.order_id, partitions)
+            while True:
+                try:
+                    producer.produce(
+                        config.topic,
+                        value=item.value,
+                        key=item.key,
+                        partition=partition,
+                        timestamp=item.timestamp_ms(config),
+                        headers=[(hostile.PRODUCER_HEADER, str(item.producer).encode())],
+                        on_delivery=report(item, partition),
+                    )
+                    break
+                except BufferError:
+                    producer.poll(0.05)
+            producer.poll(0)
+            if item.ends_transaction:
+                if item.commit:
+                    producer.commit_transaction(30)  # flushes this producer's records first
+                else:
+                    producer.flush(30)  # their offsets, then the abort
+                    producer.abort_transaction(30)
+                in_txn.discard(item.producer)
+    except KafkaException as exc:
+        raise RuntimeError(f"producing to {config.topic!r} failed: {exc}") from exc
+    finally:
+        for index in sorted(in_txn):
+            producers[index].abort_transaction(30)
+        for producer in producers:
+            producer.flush(30)
+    if errors:
+        raise RuntimeError(f"{len(errors)} records failed, e.g. {errors[:3]}")
+    return hostile.HostileTruth(topic=config.topic, partitions=partitions, records=tuple(records))
+
+
+def _produce(
+    settings: Settings,
+    args: argparse.Namespace,
+    config: hostile.HostileConfig,
+    plan: list[Any],
+    first: int,
+    last: int,
+) -> hostile.HostileTruth:
+    if args.acked:
+        return hostile.produce(settings, config, first, last)
+    return produce_async(settings, config, plan, first, last)
+
+
 def generate_history(settings: Settings, args: argparse.Namespace, home: Path) -> History:
     hours = args.days * 24
     before = max(1, args.partitions - max(1, args.partitions // 4))
@@ -168,18 +290,20 @@ def generate_history(settings: Settings, args: argparse.Namespace, home: Path) -
         hours=hours,
         events_per_hour=args.events_per_hour,
         seed=args.seed,
+        max_transaction_records=args.transaction_records,
     )
+    plan = [] if args.acked else hostile.plan_hostile(config)
     mid = hours // 2 if hours > 1 and before < args.partitions else hours
     began = time.monotonic()
-    phases = [hostile.produce(settings, config, 0, mid - 1)]
+    phases = [_produce(settings, args, config, plan, 0, mid - 1)]
     print(f"  produced hours 0..{mid - 1} ({time.monotonic() - began:.0f}s)", flush=True)
     _wait_stable("orders")
-    at_ms = config.start_ms + (mid - 1) * hostile.HOUR_MS + 30 * 60_000
+    at_ms = config.start_ms + (mid - 1) * HOUR_MS + 30 * 60_000
     bad = _produce_bad(settings, "orders", before, at_ms, max(before, args.events_per_hour // 100))
     phases.append(hostile.HostileTruth(topic="orders", partitions=before, records=tuple(bad)))
     if mid < hours:
         hostile.add_partitions(settings, "orders", args.partitions)
-        phases.append(hostile.produce(settings, config, mid, hours - 1))
+        phases.append(_produce(settings, args, config, plan, mid, hours - 1))
         _wait_stable("orders")
     truth = hostile.merge(*phases)
     seconds = time.monotonic() - began
@@ -479,6 +603,8 @@ def _setup(args: argparse.Namespace) -> tuple[Path, dict[str, Any], Path]:
         "partitions": args.partitions,
         "events_per_hour": args.events_per_hour,
         "seed": args.seed,
+        "transaction_records": args.transaction_records,
+        "acked": args.acked,
     }
     state_path = home / "bench-history.json"
     state: dict[str, Any] = json.loads(state_path.read_text()) if state_path.exists() else {}
@@ -488,9 +614,7 @@ def _setup(args: argparse.Namespace) -> tuple[Path, dict[str, Any], Path]:
             "pass another --home or delete that one"
         )
     state.setdefault("history", sizes)
-    ports = state.setdefault(
-        "ports", {"kafka": latency.free_port(), "controller": latency.free_port()}
-    )
+    ports = state.setdefault("ports", {"kafka": free_port(), "controller": free_port()})
     os.environ.update(
         {
             "BACKFILL_HOME": str(home),
@@ -525,7 +649,7 @@ def _history(
     history = generate_history(settings, args, home)
     state.update(records=history.records, generated_s=history.generated_s, bad=sorted(history.bad))
     path.write_text(json.dumps(state, indent=1))
-    full = 30 * 24 * DEFAULT_EVENTS_PER_HOUR * 1.2 * 1.2  # + aborted records, markers
+    full = 30 * 24 * DEFAULT_EVENTS_PER_HOUR * 1.2  # re-sends, corrections (aborted incl.)
     rate = history.records / history.generated_s
     print(
         f"generated {history.records:,} records (offsets, aborted included; "
@@ -547,7 +671,26 @@ def main() -> None:
         help="hostile slots per hour (re-sends and corrections come on top: ~1.2x records)",
     )
     parser.add_argument("--seed", type=int, default=31)
+    parser.add_argument(
+        "--transaction-records",
+        type=int,
+        default=200,
+        help="the hostile producers' transactions hold 1..N records, a share of them aborted "
+        "(hostile.py's default is 4: a commit per ~2.5 records, ~200 records/s here; 200 "
+        "generates ~15x faster)",
+    )
+    parser.add_argument(
+        "--acked",
+        action="store_true",
+        help="produce with hostile.produce (each record acknowledged before the next: the "
+        "plan's exact interleaving, ~150 records/s here) instead of asynchronously",
+    )
     parser.add_argument("--home", help="keeps the broker, the history and its truth for later runs")
+    parser.add_argument(
+        "--generate-only",
+        action="store_true",
+        help="generate (or reuse) the history in --home, print the generation rate, stop",
+    )
     parser.add_argument("--timeout", type=float, default=7200.0, help="seconds to wait")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # Dagster's beta notices on import
@@ -571,6 +714,8 @@ def main() -> None:
     broker.start()
     try:
         history = _history(settings, args, home, state, state_path)
+        if args.generate_only:
+            return
         spec = next(s for s in SPECS if s.topic == "orders")
         first = HISTORY_START
         end = first + timedelta(days=args.days)
@@ -585,7 +730,7 @@ def main() -> None:
         cat.create_namespace_if_not_exists(settings.catalog.namespace)
         dagster_home = home / "dagster-home"
         with (
-            latency.dagster_services(
+            dagster_services(
                 dagster_home,
                 dict(os.environ),
                 latency.REPO_ROOT / "dagster.yaml",
