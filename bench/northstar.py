@@ -1,0 +1,821 @@
+"""Benchmark: the north star. A whole hostile history backfilled as ONE backfill, checked exact.
+
+Starts its own broker (free 127.0.0.1 ports; the ports, the broker's data, the history and its
+ground truth live in ``--home`` and are reused by later runs with the same sizes), writes
+``--days`` x 24 hours of the ``orders`` topic with the hostile generator
+(backfill_assets_tests/support/hostile.py: several producers with skewed clocks, transactions of
+which a share is aborted, identical re-sends, corrections, tombstones, late events), grows the
+topic from ``--partitions`` minus a quarter to ``--partitions`` halfway through (a partition
+added mid-way) and puts a few bad records (not JSON, a missing field, a value outside the
+contract) at that point, then keeps the ground truth (truth.parquet in ``--home``).
+The hostile plan is produced asynchronously (each producer's records in plan order, producers
+interleaved as the broker receives them; the truth from the delivery reports) in transactions
+of 1..``--transaction-records``; ``--acked`` uses hostile.produce itself (a record
+acknowledged before the next: ~150 records/s here). ``--generate-only`` stops after that.
+The plan and the truth are Python objects (~0.9 KiB per record: ~9 GiB at 10 M records), and
+the truth's tables are computed in Python after the backfill (~1-2 min per million records).
+
+Each run then, on fresh tables (a new catalog namespace; the Dagster instance in ``--home`` is
+kept, so a later run's planner has the earlier runs as history, as an operator's stack has):
+
+1. the planner's prediction for the whole range (``backfill-assets plan``: make_plan), with its
+   breakdown and confidence;
+2. ONE backfill of the whole range through its own webserver + daemon
+   (bench/latency.py's services), launched as ``backfill-assets backfill`` and the UI launch it
+   (GraphQL ``launchPartitionBackfill``): raw + current state + every declared table of the
+   topic, over the ranges ``planner.backfill_ranges`` lists; waited for;
+3. wall end to end (click -> last materialization), records/s, seconds per asset from the runs'
+   step events, refusals (failed runs, failed blocking checks), the prediction's error, and the
+   peak RSS (VmHWM) of the run worker processes and their Spark JVMs, sampled from /proc;
+4. every table compared with the ground truth (PASS/FAIL per table; exit status 1 on a FAIL or
+   a refusal), and one markdown summary row for bench/README.md.
+
+The issue 31 goals: <= 5 min wall, 0 refusals, every table exact, driver RSS 10x/1x <= 1.2x
+(run ``--days 3`` and ``--days 30`` into two homes), prediction within +-25%.
+
+Run from the repository root (jars resolved by scripts/bootstrap.sh):
+    .venv/bin/python bench/northstar.py --home /tmp/bench-northstar          # 30 d x 12 p
+    .venv/bin/python bench/northstar.py --days 3 --home /tmp/bench-northstar-3d  # RSS 1x
+    .venv/bin/python bench/northstar.py --days 1 --partitions 3 --events-per-hour 300 \\
+        --home /tmp/bench-northstar-small
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import sys
+import threading
+import time
+import uuid
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import latency  # bench/latency.py: the services and the phase breakdown
+
+from backfill_assets.demo.generator import HOUR_MS, _wait_for_topic, partition_for
+from backfill_assets_tests.support import hostile
+from backfill_assets_tests.support.services import dagster_services, free_port
+
+if TYPE_CHECKING:
+    from backfill_assets.spec.model import TopicSpec
+    from backfill_assets.stack.settings import Settings
+
+HISTORY_START = datetime(2026, 6, 1, tzinfo=UTC)
+PARTITION_FMT = "%Y-%m-%d-%H:%M"
+WALL_GOAL_S = 300.0
+PLAN_GOAL = 0.25
+# 30 d x 24 h x 11,700 slots x ~1.2 (re-sends and corrections on top) ~= 10.1 M offsets.
+DEFAULT_EVENTS_PER_HOUR = 11_700
+BAD_PAYLOADS = (
+    b"{not json",
+    b'{"schema_version": 2, "event_id": "bad-missing-fields"}',
+    b'{"schema_version": 2, "event_id": "bad-amount", "order_id": "o-bad", '
+    b'"customer_id": "c-bad", "event_type": "created", "status": "open", '
+    b'"amount_minor": -5, "currency": "EUR", "channel": "web", "event_time": 0}',
+)
+
+
+# --------------------------------------------------------------------------------------------
+# History: generated once into --home, with its ground truth
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class History:
+    truth: hostile.HostileTruth
+    bad: set[tuple[int, int]]  # positions of the bad records (quarantined, not in the raw table)
+    records: int
+    generated_s: float
+
+
+def _truth_to_parquet(truth: hostile.HostileTruth, path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    names = [f.name for f in dataclasses.fields(hostile.HostileRecord)]
+    columns = {n: [getattr(r, n) for r in truth.records] for n in names}
+    pq.write_table(pa.table(columns), path)
+
+
+def _truth_from_parquet(topic: str, partitions: int, path: Path) -> hostile.HostileTruth:
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(path).to_pylist()
+    return hostile.HostileTruth(
+        topic=topic,
+        partitions=partitions,
+        records=tuple(hostile.HostileRecord(**row) for row in rows),
+    )
+
+
+class _Reports(list[tuple[Any, int]]):
+    def append_delivery(self, err: Any, msg: Any) -> None:
+        self.append((err, msg.offset()))
+
+
+def _produce_bad(settings: Settings, topic: str, partitions: int, at_ms: int, n: int) -> list[Any]:
+    """``n`` bad records, round-robin over the partitions, plain (non-transactional) producer,
+    stamped ``at_ms``; acknowledged one by one so the truth has their offsets."""
+    from confluent_kafka import Producer
+
+    producer = Producer({**settings.kafka.client_config(), "linger.ms": 0})
+    out = []
+    for i in range(n):
+        partition, value = i % partitions, BAD_PAYLOADS[i % len(BAD_PAYLOADS)]
+        report = _Reports()
+        producer.produce(
+            topic,
+            value=value,
+            key=f"bad-{i}".encode(),
+            partition=partition,
+            timestamp=at_ms,
+            on_delivery=report.append_delivery,
+        )
+        producer.flush(30)
+        if not report or report[0][0] is not None:
+            raise RuntimeError(f"bad record {i} to partition {partition} failed: {report}")
+        out.append(
+            hostile.HostileRecord(
+                partition=partition,
+                offset=report[0][1],
+                timestamp_ms=at_ms,
+                key=f"bad-{i}".encode(),
+                value=value,
+                event_id=None,  # not an event: no winner, no current state
+                producer=-1,
+                kind="event",
+            )
+        )
+    return out
+
+
+def _wait_stable(topic: str) -> None:
+    """Transaction markers land just after commit returns: wait until LSO == HW everywhere."""
+    from backfill_assets.stack.kafka import KafkaClient
+
+    kafka = KafkaClient()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if all(lso == hw for _low, lso, hw in kafka.log_ends(topic).values()):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{topic}: a transaction stayed open")
+
+
+def produce_async(
+    settings: Settings, config: hostile.HostileConfig, plan: list[Any], first: int, last: int
+) -> hostile.HostileTruth:
+    """hostile.produce's records of hours ``first..last`` (same plan, producers, transactions,
+    aborts, partitioning and timestamps), sent without waiting for each acknowledgement: each
+    producer's records stay in plan order (idempotent producers), but producers interleave
+    freely within a partition. The truth still comes from the delivery reports (offsets)."""
+    from confluent_kafka import KafkaException, Producer
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient(dict(settings.kafka.client_config()))
+    if not hostile._topic_exists(admin, config.topic):
+        hostile.create_topic(settings, config)
+    partitions = _wait_for_topic(admin, config.topic)
+    producers = []
+    for i in range(len(config.producer_skews_ms)):
+        producer = Producer(
+            {
+                **settings.kafka.client_config(),
+                "transactional.id": f"{config.topic}.hostile.{i}",
+                "transaction.timeout.ms": config.transaction_timeout_ms,
+                "linger.ms": 5,
+                "retry.backoff.ms": 10,
+            }
+        )
+        producer.init_transactions(30)
+        producers.append(producer)
+    records: list[hostile.HostileRecord] = []
+    errors: list[str] = []
+
+    def report(item: Any, partition: int) -> Any:
+        def on_delivery(err: Any, msg: Any) -> None:
+            if err is not None or msg.timestamp()[1] != item.timestamp_ms(config):
+                errors.append(f"{item.index}: {err} {msg.timestamp()}")
+                return
+            records.append(
+                hostile.HostileRecord(
+                    partition=partition,
+                    offset=msg.offset(),
+                    timestamp_ms=msg.timestamp()[1],
+                    key=item.key,
+                    value=item.value,
+                    event_id=item.event_id,
+                    producer=item.producer,
+                    kind=item.kind,
+                    committed=item.commit,
+                )
+            )
+
+        return on_delivery
+
+    in_txn: set[int] = set()
+    try:
+        for item in plan:
+            if not first <= item.hour_index(config) <= last:
+                continue
+            producer = producers[item.producer]
+            if item.producer not in in_txn:
+                producer.begin_transaction()
+                in_txn.add(item.producer)
+            partition = partition_for(item.order_id, partitions)
+            while True:
+                try:
+                    producer.produce(
+                        config.topic,
+                        value=item.value,
+                        key=item.key,
+                        partition=partition,
+                        timestamp=item.timestamp_ms(config),
+                        headers=[(hostile.PRODUCER_HEADER, str(item.producer).encode())],
+                        on_delivery=report(item, partition),
+                    )
+                    break
+                except BufferError:
+                    producer.poll(0.05)
+            producer.poll(0)
+            if item.ends_transaction:
+                if item.commit:
+                    producer.commit_transaction(30)  # flushes this producer's records first
+                else:
+                    producer.flush(30)  # their offsets, then the abort
+                    producer.abort_transaction(30)
+                in_txn.discard(item.producer)
+    except KafkaException as exc:
+        raise RuntimeError(f"producing to {config.topic!r} failed: {exc}") from exc
+    finally:
+        for index in sorted(in_txn):
+            producers[index].abort_transaction(30)
+        for producer in producers:
+            producer.flush(30)
+    if errors:
+        raise RuntimeError(f"{len(errors)} records failed, e.g. {errors[:3]}")
+    return hostile.HostileTruth(topic=config.topic, partitions=partitions, records=tuple(records))
+
+
+def _produce(
+    settings: Settings,
+    args: argparse.Namespace,
+    config: hostile.HostileConfig,
+    plan: list[Any],
+    first: int,
+    last: int,
+) -> hostile.HostileTruth:
+    if args.acked:
+        return hostile.produce(settings, config, first, last)
+    return produce_async(settings, config, plan, first, last)
+
+
+def generate_history(settings: Settings, args: argparse.Namespace, home: Path) -> History:
+    hours = args.days * 24
+    before = max(1, args.partitions - max(1, args.partitions // 4))
+    config = hostile.HostileConfig(
+        start=HISTORY_START,
+        topic="orders",
+        partitions=before,
+        hours=hours,
+        events_per_hour=args.events_per_hour,
+        seed=args.seed,
+        max_transaction_records=args.transaction_records,
+    )
+    plan = [] if args.acked else hostile.plan_hostile(config)
+    mid = hours // 2 if hours > 1 and before < args.partitions else hours
+    began = time.monotonic()
+    phases = [_produce(settings, args, config, plan, 0, mid - 1)]
+    print(f"  produced hours 0..{mid - 1} ({time.monotonic() - began:.0f}s)", flush=True)
+    _wait_stable("orders")
+    at_ms = config.start_ms + (mid - 1) * HOUR_MS + 30 * 60_000
+    bad = _produce_bad(settings, "orders", before, at_ms, max(before, args.events_per_hour // 100))
+    phases.append(hostile.HostileTruth(topic="orders", partitions=before, records=tuple(bad)))
+    if mid < hours:
+        hostile.add_partitions(settings, "orders", args.partitions)
+        phases.append(_produce(settings, args, config, plan, mid, hours - 1))
+        _wait_stable("orders")
+    truth = hostile.merge(*phases)
+    seconds = time.monotonic() - began
+    _truth_to_parquet(truth, home / "truth.parquet")
+    return History(truth, {r.position for r in bad}, len(truth.records), seconds)
+
+
+# --------------------------------------------------------------------------------------------
+# Peak RSS of the run workers, sampled from /proc
+# --------------------------------------------------------------------------------------------
+
+
+def _proc(pid: str, name: str) -> str:
+    try:
+        return (Path("/proc") / pid / name).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _run_workers(home: str) -> tuple[dict[int, int], set[int]]:
+    """(parent of every visible pid, the run workers of this bench's instance): a run worker is
+    the code server's child that executes a run (``dagster api execute_run``, or the
+    multiprocessing child the gRPC code server forks for it) with this ``BACKFILL_HOME``."""
+    parents, workers = {}, set()
+    marker = f"BACKFILL_HOME={home}\0"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        stat = _proc(pid, "stat")
+        if not stat:
+            continue
+        parents[int(pid)] = int(stat.rsplit(")", 1)[1].split()[1])
+        cmdline = _proc(pid, "cmdline")
+        if ("execute_run" in cmdline or "multiprocessing-fork" in cmdline) and marker in _proc(
+            pid, "environ"
+        ):
+            workers.add(int(pid))
+    return parents, workers
+
+
+def _vm_hwm_kib(pid: int) -> int:
+    for line in _proc(str(pid), "status").splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
+@contextmanager
+def rss_sampler(home: str, every_s: float = 0.5) -> Iterator[dict[str, dict[int, int]]]:
+    """Peak VmHWM (KiB) per pid of every run worker and of the Spark driver JVM below it:
+    ``{"python": {pid: kib}, "jvm": {pid: kib}}`` (Spark's Python workers are not counted)."""
+    peaks: dict[str, dict[int, int]] = {"python": {}, "jvm": {}}
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            parents, workers = _run_workers(home)
+            for pid in parents:
+                p, depth = pid, 0
+                while p not in workers and p in parents and depth < 20:
+                    p, depth = parents[p], depth + 1
+                if p not in workers:
+                    continue
+                if pid in workers:
+                    kind = "python"
+                elif _proc(str(pid), "comm").strip() == "java":
+                    kind = "jvm"
+                else:
+                    continue
+                peaks[kind][pid] = max(peaks[kind].get(pid, 0), _vm_hwm_kib(pid))
+            stop.wait(every_s)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield peaks
+    finally:
+        stop.set()
+        thread.join()
+
+
+# --------------------------------------------------------------------------------------------
+# The backfill and its breakdown
+# --------------------------------------------------------------------------------------------
+
+
+def by_asset(instance: Any, backfill_id: str) -> tuple[dict[str, dict[str, float]], list[str]]:
+    """Per asset: runs, step seconds (STEP_START -> STEP_SUCCESS/FAILURE of the step that
+    materialized it), materializations; and the refusals (failed runs, failed checks)."""
+    import dagster as dg
+
+    runs = instance.get_runs(dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
+    out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    refusals = []
+    for run in runs:
+        if run.status != dg.DagsterRunStatus.SUCCESS:
+            refusals.append(f"run {run.run_id[:8]} {run.status.value}")
+        started: dict[str, float] = {}
+        ended: dict[str, float] = {}
+        assets_of: dict[str, set[str]] = defaultdict(set)
+        for entry in instance.all_logs(run.run_id):
+            event = entry.dagster_event
+            if event is None:
+                continue
+            kind, step = event.event_type_value, entry.step_key or ""
+            if kind == "STEP_START":
+                started[step] = entry.timestamp
+            elif kind in ("STEP_SUCCESS", "STEP_FAILURE"):
+                ended[step] = entry.timestamp
+            elif kind == "ASSET_MATERIALIZATION":
+                assets_of[step].add(event.asset_key.to_user_string())
+            elif kind == "ASSET_CHECK_EVALUATION":
+                check = event.event_specific_data
+                if not check.passed and check.severity == dg.AssetCheckSeverity.ERROR:
+                    refusals.append(f"check {check.asset_check_key.to_user_string()} failed")
+        for step, names in assets_of.items():
+            label = " + ".join(sorted(names))
+            out[label]["runs"] += 1
+            out[label]["seconds"] += ended.get(step, 0.0) - started.get(step, 0.0)
+    return {k: dict(v) for k, v in out.items()}, refusals
+
+
+def _on_change() -> Any:
+    """Print a progress line when it says something new (not every poll)."""
+    seen: list[tuple[int, int, str]] = []
+
+    def show(progress: Any) -> None:
+        state = (progress.done, progress.failed, progress.status)
+        if not seen or seen[-1] != state:
+            seen.append(state)
+            print(f"  {progress.elapsed_s:6.1f}s {progress.line()}", flush=True)
+
+    return show
+
+
+def launch_range(
+    client: Any, spec: TopicSpec, first: datetime, end: datetime, timeout_s: float
+) -> tuple[str, Any, float]:
+    """The whole range as ONE backfill, as ``backfill-assets backfill`` launches it."""
+    from backfill_assets.ops import launch, planner
+
+    ranges = [
+        (key, f"{a:{PARTITION_FMT}}", f"{b - timedelta(hours=1):{PARTITION_FMT}}")
+        for keys, a, b in planner.backfill_ranges(spec, first, end)
+        for key in keys
+    ]
+    tags = {"backfill_assets/launched_by": "bench:northstar"}
+    clicked = time.time()
+    backfill_id = launch.launch_backfill(client, ranges, tags, "bench northstar")
+    final = launch.wait(
+        client,
+        backfill_id,
+        poll_s=2.0,
+        timeout_s=timeout_s,
+        on_progress=_on_change(),
+    )
+    return backfill_id, final, clicked
+
+
+# --------------------------------------------------------------------------------------------
+# Every table against the ground truth
+# --------------------------------------------------------------------------------------------
+
+
+def _arrow(cat: Any, namespace: str, table: str) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = (
+        cat.load_table(f"{namespace}.{table}").scan().to_arrow().to_pylist()
+    )
+    return rows
+
+
+def _utc(value: datetime) -> datetime:
+    """Iceberg ``timestamp`` (no zone) columns come back naive: they hold UTC."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def _ms(value: datetime) -> int:
+    return int(_utc(value).timestamp() * 1000)
+
+
+def verify(
+    cat: Any,
+    namespace: str,
+    spec: TopicSpec,
+    history: History,
+    first: datetime,
+    end: datetime,
+    table_ends: dict[str, datetime],
+) -> dict[str, str]:
+    """PASS or FAIL (with what differs) per table."""
+    truth = history.truth
+    hours = [first + timedelta(hours=h) for h in range(int((end - first) / timedelta(hours=1)))]
+    expected_hour = hostile.hour_of(truth, hours)
+    by_position = truth.by_position()
+    published = dataclasses.replace(
+        truth,
+        records=tuple(
+            r
+            for r in truth.records
+            if r.committed and r.position in expected_hour and r.position not in history.bad
+        ),
+    )
+    result = {}
+
+    def judge(name: str, got: Any, want: Any) -> None:
+        if got == want:
+            result[name] = f"PASS ({len(want):,} rows)"
+            return
+        if isinstance(got, dict) and isinstance(want, dict):
+            diff = [k for k in set(got) | set(want) if got.get(k) != want.get(k)]
+            result[name] = f"FAIL: {len(diff):,} keys differ, e.g. {sorted(diff, key=str)[:3]}"
+        else:
+            missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+            result[name] = f"FAIL: missing {len(missing)} {missing[:3]}, extra {len(extra)}"
+
+    raw = {
+        (r["kafka_partition"], r["kafka_offset"]): (
+            _ms(r["kafka_hour"]),
+            _ms(r["kafka_timestamp"]),
+            r["record_hash"],
+        )
+        for r in _arrow(cat, namespace, spec.raw_table)
+    }
+    judge(
+        spec.raw_table,
+        raw,
+        {
+            pos: (
+                _ms(expected_hour[pos]),
+                by_position[pos].timestamp_ms,
+                hostile.record_hash(*pos, by_position[pos].key, by_position[pos].value),
+            )
+            for pos in expected_hour
+            if pos not in history.bad
+        },
+    )
+    quarantined = {
+        (r["kafka_partition"], r["kafka_offset"])
+        for r in _arrow(cat, namespace, spec.quarantine_table)
+    }
+    judge(spec.quarantine_table, quarantined, {p for p in history.bad if p in expected_hour})
+
+    expected = hostile.expected_current(published)
+    judge(
+        spec.current_table,
+        {
+            r["order_id"]: (r["deleted"], r["kafka_partition"], r["kafka_offset"])
+            for r in _arrow(cat, namespace, spec.current_table)
+        },
+        {k: (row.deleted, row.record.partition, row.record.offset) for k, row in expected.items()},
+    )
+    for name, table_end in table_ends.items():
+        judge(name, *_declared(cat, namespace, name, published, first, table_end))
+    return result
+
+
+def _declared(
+    cat: Any,
+    namespace: str,
+    name: str,
+    published: hostile.HostileTruth,
+    first: datetime,
+    end: datetime,
+) -> tuple[Any, Any]:
+    """(got, want) of a declared table of ``orders`` (their SQL is in spec/tables)."""
+    rows = _arrow(cat, namespace, name)
+    if name == "orders_hourly":
+        got = {
+            (_utc(r["event_hour"]), r["currency"]): hostile.HourlyFigures(
+                r["events"], r["orders"], r["amount_minor"], r["cancelled"]
+            )
+            for r in rows
+        }
+        want = {k: v for k, v in hostile.expected_hourly(published).items() if first <= k[0] < end}
+        return got, want
+    if name == "orders_large_paid":
+        cols = ("event_id", "order_id", "customer_id", "amount_minor", "currency")
+        got_set = {(*(r[c] for c in cols), _ms(r["event_time"])) for r in rows}
+        want_set = set()
+        for record in hostile.events(published).values():
+            p = record.payload()
+            at = hostile.ms_to_datetime(int(p["event_time"]))
+            if p["status"] == "paid" and p["amount_minor"] >= 50_000 and first <= at < end:
+                want_set.add((*(p[c] for c in cols), int(p["event_time"])))
+        return got_set, want_set
+    raise SystemExit(f"no ground truth for declared table {name}: add one to bench/northstar.py")
+
+
+# --------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------
+
+
+def _setup(args: argparse.Namespace) -> tuple[Path, dict[str, Any], Path]:
+    home = Path(args.home or f"/tmp/bench-northstar-{args.days}d-{args.partitions}p").resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    sizes = {
+        "days": args.days,
+        "partitions": args.partitions,
+        "events_per_hour": args.events_per_hour,
+        "seed": args.seed,
+        "transaction_records": args.transaction_records,
+        "acked": args.acked,
+    }
+    state_path = home / "bench-history.json"
+    state: dict[str, Any] = json.loads(state_path.read_text()) if state_path.exists() else {}
+    if state and state["history"] != sizes:
+        raise SystemExit(
+            f"{home} holds another history ({state['history']}, this run needs {sizes}); "
+            "pass another --home or delete that one"
+        )
+    state.setdefault("history", sizes)
+    ports = state.setdefault("ports", {"kafka": free_port(), "controller": free_port()})
+    os.environ.update(
+        {
+            "BACKFILL_HOME": str(home),
+            "BACKFILL_JAR_CACHE": os.environ.get(
+                "BACKFILL_JAR_CACHE", str(latency.REPO_ROOT / ".stack" / "jars")
+            ),
+            "BACKFILL_KAFKA_PORT": str(ports["kafka"]),
+            "BACKFILL_KAFKA_CONTROLLER_PORT": str(ports["controller"]),
+            "BACKFILL_DAGSTER_STORAGE": str(home / "dagster"),
+            "PYICEBERG_HOME": str(home / "pyiceberg-home"),
+            "BACKFILL_SENSORS": "off",
+            # fresh tables each run; the Kafka history and the Dagster instance are kept
+            "BACKFILL_NAMESPACE": f"northstar_{uuid.uuid4().hex[:6]}",
+        }
+    )
+    return home, state, state_path
+
+
+def _history(
+    settings: Settings, args: argparse.Namespace, home: Path, state: dict[str, Any], path: Path
+) -> History:
+    if "records" in state:
+        truth = _truth_from_parquet("orders", args.partitions, home / "truth.parquet")
+        bad = {(p, o) for p, o in state["bad"]}
+        print(
+            f"reusing {state['records']:,} records ({home}), generated in "
+            f"{state['generated_s']:.0f}s at {state['records'] / state['generated_s']:,.0f} "
+            "records/s",
+            flush=True,
+        )
+        return History(truth, bad, state["records"], state["generated_s"])
+    history = generate_history(settings, args, home)
+    state.update(records=history.records, generated_s=history.generated_s, bad=sorted(history.bad))
+    path.write_text(json.dumps(state, indent=1))
+    full = 30 * 24 * DEFAULT_EVENTS_PER_HOUR * 1.2  # re-sends, corrections (aborted incl.)
+    rate = history.records / history.generated_s
+    print(
+        f"generated {history.records:,} records (offsets, aborted included; "
+        f"{len(history.bad)} bad) in {history.generated_s:.0f}s: {rate:,.0f} records/s; "
+        f"the default size (~{full / 1e6:.1f} M) would take ~{full / rate / 3600:.1f} h",
+        flush=True,
+    )
+    return history
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--days", type=int, default=30)
+    parser.add_argument("--partitions", type=int, default=12, help="after the mid-way growth")
+    parser.add_argument(
+        "--events-per-hour",
+        type=int,
+        default=DEFAULT_EVENTS_PER_HOUR,
+        help="hostile slots per hour (re-sends and corrections come on top: ~1.2x records)",
+    )
+    parser.add_argument("--seed", type=int, default=31)
+    parser.add_argument(
+        "--transaction-records",
+        type=int,
+        default=200,
+        help="the hostile producers' transactions hold 1..N records, a share of them aborted "
+        "(hostile.py's default is 4: a commit per ~2.5 records, ~200 records/s here; 200 "
+        "generates ~15x faster)",
+    )
+    parser.add_argument(
+        "--acked",
+        action="store_true",
+        help="produce with hostile.produce (each record acknowledged before the next: the "
+        "plan's exact interleaving, ~150 records/s here) instead of asynchronously",
+    )
+    parser.add_argument("--home", help="keeps the broker, the history and its truth for later runs")
+    parser.add_argument(
+        "--generate-only",
+        action="store_true",
+        help="generate (or reuse) the history in --home, print the generation rate, stop",
+    )
+    parser.add_argument("--timeout", type=float, default=7200.0, help="seconds to wait")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")  # Dagster's beta notices on import
+    command = "\n".join(["$ .venv/bin/python " + shlex.join(sys.argv)])
+    home, state, state_path = _setup(args)
+
+    import dagster as dg
+
+    from backfill_assets.defs.definitions import SPECS
+    from backfill_assets.ops import planner
+    from backfill_assets.ops.launch import DagsterClient
+    from backfill_assets.stack import catalog, jars
+    from backfill_assets.stack.broker import LocalBroker
+    from backfill_assets.stack.kafka import KafkaClient
+    from backfill_assets.stack.settings import Settings
+
+    settings = Settings.from_env()
+    jars.resolve_all(settings)
+    print(f"load {latency.loadavg()} on {os.cpu_count()} CPUs; home {home}", flush=True)
+    broker = LocalBroker(settings)
+    broker.start()
+    try:
+        history = _history(settings, args, home, state, state_path)
+        if args.generate_only:
+            return
+        spec = next(s for s in SPECS if s.topic == "orders")
+        first = HISTORY_START
+        end = first + timedelta(days=args.days)
+        declared = {
+            key.path[-1]: b
+            for keys, _a, b in planner.backfill_ranges(spec, first, end)[1:]
+            for key in keys
+        }
+        tables = [spec.raw_table, spec.current_table, *declared]
+        catalog.init_local_catalog(settings.catalog)
+        cat = catalog.load(settings.catalog)
+        cat.create_namespace_if_not_exists(settings.catalog.namespace)
+        dagster_home = home / "dagster-home"
+        with (
+            dagster_services(
+                dagster_home,
+                dict(os.environ),
+                latency.REPO_ROOT / "dagster.yaml",
+                start_timeout_s=180,
+            ) as url,
+            dg.DagsterInstance.from_config(str(dagster_home)) as instance,
+        ):
+            os.environ["DAGSTER_HOME"] = str(dagster_home)  # the planner's concurrency
+            from backfill_assets.ops.cli import common
+
+            plan = planner.make_plan(
+                KafkaClient(),
+                spec,
+                first,
+                end,
+                instance=instance,
+                concurrency=common.backfill_concurrency(),
+            )
+            print(
+                f"plan: {plan.records:,} records in {plan.runs} run(s) as {plan.launched_as}; "
+                f"predicted {plan.predicted_duration_s:.1f} s ("
+                + ", ".join(f"{k} {v:.1f}" for k, v in plan.predicted_breakdown.items())
+                + f")\n  confidence {plan.confidence}: {plan.confidence_basis}"
+                + (f"\n  BLOCKED: {plan.blocked}" if plan.blocked else ""),
+                flush=True,
+            )
+            load_before = latency.loadavg()
+            with rss_sampler(str(home)) as peaks:
+                backfill_id, final, clicked = launch_range(
+                    DagsterClient(url), spec, first, end, args.timeout
+                )
+            load_after = latency.loadavg()
+            print(f"backfill {backfill_id}: {final.line()}", flush=True)
+            phases = latency.breakdown(
+                instance, cat, settings.catalog.namespace, tables, backfill_id, clicked
+            )
+            assets, refusals = by_asset(instance, backfill_id)
+        checks = verify(cat, settings.catalog.namespace, spec, history, first, end, declared)
+    finally:
+        broker.stop()
+
+    wall = phases["published_s"]
+    error = plan.predicted_duration_s / wall - 1
+    python_mib = max(peaks["python"].values(), default=0) / 1024
+    jvm_mib = max(peaks["jvm"].values(), default=0) / 1024
+    print(
+        f"\nwall end to end (click -> last materialization): {wall:.1f} s "
+        f"(goal <= {WALL_GOAL_S:.0f} s); backfill completed {phases['completed_s']:.1f} s"
+    )
+    print(f"records/s: {plan.records / wall:,.0f} ({plan.records:,} offsets planned)")
+    print(
+        f"prediction {plan.predicted_duration_s:.1f} s: {100 * error:+.0f}% "
+        f"(goal +-{100 * PLAN_GOAL:.0f}%)"
+    )
+    print("phases: " + ", ".join(f"{k} {v:.1f}" for k, v in phases["phases"].items() if v >= 0.05))
+    print("by asset (runs, step seconds):")
+    for name, figures in sorted(assets.items()):
+        print(f"  {name}: {figures['runs']:.0f} run(s), {figures['seconds']:.1f} s")
+    print(
+        f"peak RSS of run workers: python {python_mib:,.0f} MiB, Spark JVM {jvm_mib:,.0f} MiB "
+        f"({len(peaks['python'])} worker(s), {len(peaks['jvm'])} child process(es))"
+    )
+    print(f"refusals: {len(refusals)}" + "".join(f"\n  {r}" for r in refusals))
+    print("tables against the ground truth:")
+    for name, verdict in checks.items():
+        print(f"  {name}: {verdict}")
+    exact = all(v.startswith("PASS") for v in checks.values())
+    print(
+        f"\n{command}\n(load {load_before} -> {load_after}; history generated in "
+        f"{history.generated_s:.0f}s, {history.records / history.generated_s:,.0f} records/s)\n"
+    )
+    print(
+        "| days x partitions | records | predicted s | wall s | error | records/s | runs | "
+        "refusals | tables exact | python MiB | JVM MiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        f"| {args.days} x {args.partitions} | {plan.records:,} | {plan.predicted_duration_s:.1f} "
+        f"| **{wall:.1f}** | {100 * error:+.0f}% | {plan.records / wall:,.0f} | "
+        f"{phases['runs']} | {len(refusals)} | {sum(v.startswith('PASS') for v in checks.values())}"
+        f"/{len(checks)} | {python_mib:,.0f} | {jvm_mib:,.0f} |"
+    )
+    if refusals or not exact:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
