@@ -24,6 +24,7 @@ import json
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.errors import BackfillError
@@ -250,3 +251,61 @@ def decode_stage(
         *[F.col("_a").getField(c.name).alias(c.name) for c in spec.columns],
     )
     return df, kafka_cols
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+class IndependentDecode:
+    """The decoded_content check's own decode of an avro value
+    (:class:`backfill_assets.lake.content.RecordDecoder`): confluent-kafka's AvroDeserializer
+    (fastavro, with its own registry client) reads each record with its writer schema resolved
+    to the same reader schema; nothing of Spark's decoder is used. Returns the typed row (a
+    timestamp as epoch microseconds) or the quarantine reason."""
+
+    def __init__(self, spec: TopicSpec, url: str) -> None:
+        from confluent_kafka.serialization import MessageField, SerializationContext
+
+        self.spec = spec
+        self.url = url
+        self.ctx = SerializationContext(spec.topic, MessageField.VALUE)
+        self.types = [(c.name, c.type) for c in spec.columns]
+        self._registry: SchemaRegistryClient | None = None
+        self._latest: dict[str, dict[str, Any]] | None = None
+        self._by_id: dict[int, Any] = {}
+
+    def __call__(self, value: bytes) -> dict[str, Any] | str:
+        sid = schema_id(value)
+        if sid is None:
+            return "not_avro_wire_format"
+        decode = self._by_id.get(sid)
+        if decode is None:
+            decode = self._by_id[sid] = self._deserializer(sid)
+        if isinstance(decode, str):
+            return decode
+        try:
+            record = decode(value, self.ctx)
+        except Exception:
+            return f"invalid_avro:{sid}"
+        return {name: _python_value(record.get(name), kind) for name, kind in self.types}
+
+    def _deserializer(self, sid: int) -> Any:
+        from confluent_kafka.schema_registry.avro import AvroDeserializer
+
+        if self._registry is None:
+            self._registry = client(self.url)
+            assert self.spec.subject is not None
+            self._latest = latest_fields(self._registry, self.spec.subject)
+        verdict = judge(self.spec, sid, writer_text(self._registry, sid), self._latest or {})
+        if verdict.reason is not None:
+            return verdict.reason
+        return AvroDeserializer(self._registry, schema_str=verdict.reader)
+
+
+def _python_value(value: Any, kind: str) -> Any:
+    if value is None or kind != "timestamp":
+        return value
+    if isinstance(value, datetime):
+        moment = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+        return (moment - _EPOCH) // timedelta(microseconds=1)
+    return value

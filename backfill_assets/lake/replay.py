@@ -777,7 +777,7 @@ def window_contract(
         archive=Archive(settings),
         published=published,
         seal_grace=timedelta(seconds=settings.seal_grace_s),
-        decode=RecordDecoder(spec),
+        decode=RecordDecoder(spec, settings.schema_registry_url),
         decode_sample=settings.content_sample,
         decode_whole_up_to=settings.content_sample_above,
     )
