@@ -89,7 +89,7 @@ class World:
     result: dg.ExecuteInProcessResult
     # (partition, offset) -> what was produced: a row's expected values, or "q:<reason>"
     expected: dict[tuple[int, int], Any]
-    values: dict[tuple[int, int], bytes]
+    values: dict[tuple[int, int], bytes | None]
     rows: dict[tuple[int, int], dict[str, Any]]
     quarantine: dict[tuple[int, int], Any]
 
@@ -105,7 +105,7 @@ def _framed(schema_id: int, schema: str, value: dict[str, Any]) -> bytes:
     return b"\x00" + struct.pack(">I", schema_id) + out.getvalue()
 
 
-def _records(client: SchemaRegistryClient, topic: str) -> list[tuple[bytes, Any]]:
+def _records(client: SchemaRegistryClient, topic: str) -> list[tuple[bytes | None, Any]]:
     """(value bytes, expected row or "q:<reason>"), in produce order."""
     subject = f"{topic}-value"
     ids = [client.register_schema(subject, Schema(V1, "AVRO"))]
@@ -121,7 +121,7 @@ def _records(client: SchemaRegistryClient, topic: str) -> list[tuple[bytes, Any]
         assert isinstance(data, bytes)
         return data
 
-    def row(n: int, amount: int, note: str | None, currency: str) -> dict[str, Any]:
+    def row(n: int, amount: int, note: str | None, currency: str, sid: int) -> dict[str, Any]:
         return {
             "event_id": f"e{n}",
             "order_id": f"o{n}",
@@ -129,20 +129,21 @@ def _records(client: SchemaRegistryClient, topic: str) -> list[tuple[bytes, Any]
             "note": note,
             "currency": currency,
             "event_time_ms": ms,
+            "schema_version": sid,  # the raw table keeps the writer schema's registry id
         }
 
     v1 = ser(V1, {"event_id": "e1", "order_id": "o1", "amount": 10, "note": "first"})
-    out: list[tuple[bytes, Any]] = [
+    out: list[tuple[bytes | None, Any]] = [
         # v1: currency comes from the latest schema's default
-        (v1, row(1, 10, "first", "EUR")),
+        (v1, row(1, 10, "first", "EUR", ids[0])),
         (
             ser(V2, {"event_id": "e2", "order_id": "o2", "amount": 20, "currency": "USD"}),
-            row(2, 20, None, "USD"),
+            row(2, 20, None, "USD", ids[1]),
         ),
         # v3: note removed (NULL), amount beyond int
         (
             ser(V3, {"event_id": "e3", "order_id": "o3", "amount": 3_000_000_000, "currency": "G"}),
-            row(3, 3_000_000_000, None, "G"),
+            row(3, 3_000_000_000, None, "G", ids[2]),
         ),
         (b"\x00" + struct.pack(">I", UNKNOWN_ID) + v1[5:], f"q:unknown_schema_id:{UNKNOWN_ID}"),
         (
@@ -155,14 +156,16 @@ def _records(client: SchemaRegistryClient, topic: str) -> list[tuple[bytes, Any]
         (b"\x00\x00\x01", "q:not_avro_wire_format"),
         (
             ser(V2, {"event_id": "e8", "order_id": "o8", "amount": 80, "note": "n"}),
-            row(8, 80, "n", "EUR"),
+            row(8, 80, "n", "EUR", ids[1]),
         ),
+        # A tombstone (the 9th record, key o9): a row with its key field from the key.
+        (None, {"order_id": "o9", "event_id": None, "amount": None, "is_tombstone": True}),
     ]
     assert len(set(ids)) == 3 and bad_id not in ids
     return out
 
 
-def _produce(settings: Settings, topic: str, records: list[tuple[bytes, Any]]) -> list[int]:
+def _produce(settings: Settings, topic: str, records: list[tuple[bytes | None, Any]]) -> list[int]:
     admin = AdminClient(dict(settings.kafka.client_config()))
     futures = admin.create_topics([NewTopic(topic, 1, 1, config={"retention.ms": "-1"})])
     futures[topic].result(timeout=30)
@@ -228,10 +231,9 @@ def test_run_publishes_with_every_check_green(world: World) -> None:
 def test_rows_equal_what_was_produced_across_three_versions(world: World) -> None:
     want_rows = {k: v for k, v in world.expected.items() if isinstance(v, dict)}
     assert set(world.rows) == set(want_rows)
-    for key, want in want_rows.items():
-        got = world.rows[key]
+    for key, values in want_rows.items():
+        got, want = world.rows[key], {"is_tombstone": False, **values}
         assert {name: got[name] for name in want} == want, key
-        assert not got["is_tombstone"]
 
 
 def test_bad_records_are_quarantined_with_reason_offsets_and_bytes(world: World) -> None:
@@ -242,3 +244,41 @@ def test_bad_records_are_quarantined_with_reason_offsets_and_bytes(world: World)
     # Nothing lost: every offset is a row or a quarantine row, never both.
     assert set(world.rows) | set(world.quarantine) == set(world.expected)
     assert not set(world.rows) & set(world.quarantine)
+
+
+def test_each_writer_is_judged_against_the_columns_reader_schema() -> None:
+    """No stack: the Python judgement that decides, before any Spark expression, which ids
+    decode and which are quarantined (the avro package's resolution rules)."""
+    from backfill_assets.lake import avro
+
+    spec = _spec("judged")
+    latest = {f["name"]: f for f in json.loads(V3)["fields"]}
+    for sid, writer in enumerate((V1, V2, V3), start=1):
+        verdict = avro.judge(spec, sid, writer, latest)
+        assert verdict.reason is None and verdict.reader is not None, sid
+        reader = json.loads(verdict.reader)
+        assert (reader["name"], reader["namespace"]) == ("Order", "shop")
+        fields = {f["name"]: f for f in reader["fields"]}
+        # The latest schema's default for currency; NULL for the others.
+        assert fields["currency"] == {
+            "name": "currency",
+            "type": ["string", "null"],
+            "default": "EUR",
+        }
+        assert fields["amount"]["type"] == ["null", "long"]
+    assert avro.judge(spec, 9, BAD, latest).reason == "incompatible_schema:9"
+    assert avro.judge(spec, 8, None, latest).reason == "unknown_schema_id:8"
+    # Not a record at all: never decoded.
+    assert avro.judge(spec, 7, '"string"', latest).reason == "incompatible_schema:7"
+    # A writer whose column type cannot be resolved (a boolean event_time) is refused too.
+    odd = _order(
+        [
+            _EVENT,
+            _ORDER,
+            {"name": "amount", "type": "int"},
+            {"name": "event_time", "type": "boolean"},
+        ]
+    )
+    assert avro.judge(spec, 6, odd, latest).reason == "incompatible_schema:6"
+    assert avro.schema_id(b"\x00\x00\x00\x01\x00") == 256
+    assert avro.schema_id(b"\x00\x00\x01") is None and avro.schema_id(b"{}") is None

@@ -430,7 +430,9 @@ def parse(
     col_names = [c.name for c in spec.columns]
     if spec.format == "avro":
         df, kafka_cols = avro.decode_stage(spec, raw, writers or {})
-        key_text = F.when(F.col("is_tombstone"), F.col("kafka_key").cast("string"))
+        key_str = F.col("kafka_key").cast("string")
+        # A tombstone's key field is its key, if that is UTF-8 text (as for JSON topics).
+        key_text = F.when(F.col("is_tombstone") & F.is_valid_utf8(key_str), key_str)
         df = df.select(
             *kafka_cols,
             "schema_version",
