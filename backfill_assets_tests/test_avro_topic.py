@@ -282,3 +282,45 @@ def test_each_writer_is_judged_against_the_columns_reader_schema() -> None:
     assert avro.judge(spec, 6, odd, latest).reason == "incompatible_schema:6"
     assert avro.schema_id(b"\x00\x00\x00\x01\x00") == 256
     assert avro.schema_id(b"\x00\x00\x01") is None and avro.schema_id(b"{}") is None
+
+
+def test_registry_outage_fails_the_run_and_the_retry_publishes(
+    stack_settings: Settings,
+    spark_session: SparkSession,
+    registry: LocalRegistry,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from backfill_assets_tests.support.services import free_port
+
+    topic = f"avro_outage_{uuid.uuid4().hex[:8]}"
+    spec = _spec(topic)
+    records = _records(SchemaRegistryClient({"url": registry.url}), topic)[:3]
+    _produce(stack_settings, topic, records)
+    tags = {
+        "dagster/asset_partition_range_start": RANGE[0],
+        "dagster/asset_partition_range_end": RANGE[1],
+    }
+    table = f"lake.{stack_settings.catalog.namespace}.{spec.raw_table}"
+    with dg.instance_for_test() as instance:
+        # Nothing answers there: the run fails, naming the registry, and publishes nothing.
+        with monkeypatch.context() as mp:
+            mp.setenv("BACKFILL_SCHEMA_REGISTRY_URL", f"http://127.0.0.1:{free_port()}")
+            failed = dg.materialize(
+                [build_raw_asset(spec)],
+                resources=RESOURCES,
+                instance=instance,
+                tags=tags,
+                raise_on_error=False,
+            )
+        assert not failed.success
+        errors = " ".join(
+            str(e.event_specific_data) for e in failed.all_events if e.is_step_failure
+        )
+        assert "schema registry" in errors and "RegistryUnavailable" in errors, errors[:2000]
+        if spark_session.catalog.tableExists(table):
+            assert spark_session.table(table).count() == 0
+        retried = dg.materialize(
+            [build_raw_asset(spec)], resources=RESOURCES, instance=instance, tags=tags
+        )
+        assert retried.success
+        assert spark_session.table(table).count() == 3
