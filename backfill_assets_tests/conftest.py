@@ -18,6 +18,7 @@ import pytest
 
 from backfill_assets.stack import jars
 from backfill_assets.stack.broker import LocalBroker
+from backfill_assets.stack.registry import LocalRegistry
 from backfill_assets.stack.settings import REPO_ROOT, Settings
 from backfill_assets_tests.support import services
 
@@ -131,6 +132,20 @@ def stack_settings(stack_env: dict[str, str]) -> Iterator[Settings]:
         yield settings
     finally:
         broker.stop()
+
+
+@pytest.fixture(scope="session")
+def registry(stack_settings: Settings) -> Iterator[LocalRegistry]:
+    """One local schema registry for the session, on a free port, under the session's home;
+    BACKFILL_SCHEMA_REGISTRY_URL names it (for code that reads os.environ: Dagster resources)."""
+    reg = LocalRegistry(stack_settings, port=services.free_port())
+    reg.start()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("BACKFILL_SCHEMA_REGISTRY_URL", reg.url)
+            yield reg
+    finally:
+        reg.stop()
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import struct
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,7 +22,6 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from backfill_assets.stack.registry import LocalRegistry
 from backfill_assets.stack.settings import Settings
-from backfill_assets_tests.support.services import free_port
 
 
 def _order(fields: list[dict[str, Any]]) -> str:
@@ -42,17 +40,6 @@ V3 = _order([_ID, {"name": "amount", "type": "long"}, _CURRENCY])
 V4_BAD = _order(
     [_ID, {"name": "amount", "type": "long"}, _CURRENCY, {"name": "sku", "type": "string"}]
 )
-
-
-@pytest.fixture(scope="session")
-def registry(stack_settings: Settings) -> Iterator[LocalRegistry]:
-    """One local registry for the session, on a free port, under the session's home."""
-    reg = LocalRegistry(stack_settings, port=free_port())
-    reg.start()
-    try:
-        yield reg
-    finally:
-        reg.stop()
 
 
 @pytest.fixture()

@@ -19,7 +19,8 @@ from backfill_assets.spec.model import SPEC_PATH, SpecError, TableSpec, TopicSpe
 TOPIC_FIELDS = (
     "['allowed_lateness_hours', 'columns', 'current', 'decoders', 'event_id_field', "
     "'event_time_field', 'format', 'key_field', 'latest_version', 'max_record_bytes', "
-    "'partition_start', 'quarantine_max_ratio', 'tables', 'topic', 'upcasters', 'version_field']"
+    "'partition_start', 'quarantine_max_ratio', 'subject', 'tables', 'topic', 'upcasters', "
+    "'version_field']"
 )
 TABLE_FIELDS = (
     "['columns', 'description', 'event_time', 'grain', 'lateness_hours', 'lookback_hours', "
@@ -132,7 +133,7 @@ def test_specs_are_frozen_and_copied_with_model_copy() -> None:
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        ({"format": "avro"}, "topic 'orders': format: must be 'json' (got 'avro')"),
+        ({"format": "avro"}, "topic 'orders': version_field: an avro topic has none"),
         ({"key_field": "customer"}, "key_field: 'customer' is not one of the columns"),
         ({"partition_start": "2026-01-01T00:30:00+00:00"}, "partition_start: must be a whole"),
         ({"partition_start": "yesterday"}, "partition_start: must be ISO-8601"),
@@ -159,6 +160,13 @@ def test_specs_are_frozen_and_copied_with_model_copy() -> None:
             "topic 'orders', column 'event_id': columns[0].type: must be 'string', 'bigint', "
             "'int', 'double', 'boolean' or 'timestamp' (got 'uuid')",
         ),
+        (
+            {"format": "protobuf"},
+            "format: 'protobuf' is not supported yet; allowed: ['json', 'avro']",
+        ),
+        ({"format": "json_schema"}, "format: 'json_schema' is not supported yet"),
+        ({"format": "xml"}, "format: 'xml' is not a format; allowed: ['json', 'avro']"),
+        ({"subject": "orders-value"}, "subject: only an avro topic reads a schema registry"),
         (
             {"colour": "blue"},
             f"topic 'orders': unknown field(s) ['colour']; allowed: {TOPIC_FIELDS}",
@@ -271,3 +279,38 @@ def test_duplicate_topics_are_refused(tmp_path: Path) -> None:
     doc["topics"].append(doc["topics"][0])
     with pytest.raises(SpecError, match="listed twice: orders"):
         load_specs(_save(tmp_path, doc))
+
+
+def _avro_topic(**over: Any) -> dict[str, Any]:
+    """The shipped orders topic as an Avro topic: no version field, upcasters or decoders."""
+    doc = yaml.safe_load(SPEC_PATH.read_text())
+    topic = {
+        k: v
+        for k, v in doc["topics"][0].items()
+        if k not in ("version_field", "upcasters", "decoders", "tables")
+    }
+    return {**topic, "format": "avro", **over}
+
+
+def test_avro_topic_reads_its_subject(tmp_path: Path) -> None:
+    spec = TopicSpec.model_validate(_avro_topic())
+    assert (spec.format, spec.subject, spec.versions) == ("avro", "orders-value", [1])
+    named = TopicSpec.model_validate(_avro_topic(subject="orders-avro-value"))
+    assert named.subject == "orders-avro-value"
+    # The columns stay declared: they pin the table.
+    assert [c.name for c in named.columns] == [c.name for c in spec.columns]
+    assert load_specs(_save(tmp_path, {"topics": [_avro_topic()]}))[0].format == "avro"
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"version_field": "schema_version"},
+        {"upcasters": {1: "backfill_assets.spec.transforms.orders:upcast_v1"}},
+        {"decoders": {1: "backfill_assets.spec.transforms.orders:decode_v1"}},
+    ],
+)
+def test_avro_topic_refuses_json_versioning(tmp_path: Path, over: dict[str, Any]) -> None:
+    field = next(iter(over))
+    error = _error(_save(tmp_path, {"topics": [_avro_topic(**over)]}))
+    assert f"{field}: an avro topic has none; each record names its writer schema" in error

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from backfill_assets.lake import avro
 from backfill_assets.spec.model import ColumnSpec, TopicSpec
 from backfill_assets.spec.transforms import reference
 
@@ -150,8 +151,14 @@ class RecordDecoder:
     """Decodes one Kafka record the way the replay must have: ``(ROW, content hash)``,
     ``(QUARANTINED, reason)`` or ``(UNVERIFIED, version)``."""
 
-    def __init__(self, spec: TopicSpec) -> None:
+    def __init__(self, spec: TopicSpec, registry_url: str | None = None) -> None:
         self.spec = spec
+        # An avro topic's values: confluent-kafka's deserializer with its own registry client.
+        self.avro = None
+        if spec.format == "avro":
+            if registry_url is None:
+                raise ValueError(f"topic {spec.topic!r} is avro: its decode needs a registry URL")
+            self.avro = avro.IndependentDecode(spec, registry_url)
         self.columns = spec.columns
         self.references: dict[int, Callable[[reference.Payload], Any] | None] = {
             v: spec.decoder(v) for v in spec.versions
@@ -183,10 +190,25 @@ class RecordDecoder:
             if key_text is None:
                 return QUARANTINED, f"missing_or_invalid:{spec.key_field}"
             return ROW, _row_hash(partition, offset, True, self.packers, {spec.key_field: key_text})
+        if self.avro is not None:
+            return self._avro(partition, offset, self.avro, value)
         payload = _payload(value)
         if isinstance(payload, str):
             return QUARANTINED, payload
         return self._event(partition, offset, key_text, payload)
+
+    def _avro(
+        self, partition: int, offset: int, decode: avro.IndependentDecode, value: bytes
+    ) -> Decoded:
+        if not value:
+            return QUARANTINED, "empty_value"
+        row = decode(value)
+        if isinstance(row, str):
+            return QUARANTINED, row
+        reason = self._violation(row)
+        if reason is not None:
+            return QUARANTINED, reason
+        return ROW, _row_hash(partition, offset, False, self.packers, row)
 
     def _event(
         self, partition: int, offset: int, key_text: str | None, payload: dict[str, Any]

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.lake import identity, ledger
+from backfill_assets.lake import avro, identity, ledger
 from backfill_assets.lake.archive import Archive
 from backfill_assets.lake.content import RecordDecoder
 from backfill_assets.lake.wap import SUMMARY_PREFIX, Branch, open_branch, ref_sql
@@ -80,6 +81,10 @@ QUARANTINE_RULES = (
         "nesting deeper than the parser's limit (1000)",
     ),
     ("not_json_object", "a JSON array, string, number, boolean or null"),
+    ("not_avro_wire_format", "avro: shorter than 5 bytes or not starting with magic byte 0"),
+    ("unknown_schema_id:<id>", "avro: the schema registry has no schema with that id"),
+    ("incompatible_schema:<id>", "avro: the writer schema does not resolve to the columns"),
+    ("invalid_avro:<id>", "avro: the bytes do not decode with their writer schema"),
     ("unknown_schema_version:<n|?>", "version not an upcaster's; ? if absent or not an integer"),
     ("missing_or_invalid:<column>", "a non-nullable column absent, null or of the wrong JSON kind"),
     ("not_allowed:<column>", "a value outside the column's allowed list"),
@@ -400,13 +405,17 @@ def read_throttled(
     return union, cached
 
 
-def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, DataFrame, DataFrame]:
+def parse(
+    spec: TopicSpec, raw: DataFrame, run_id: str, writers: Mapping[int, avro.Writer] | None = None
+) -> tuple[DataFrame, DataFrame, DataFrame]:
     """Split Kafka records into (table rows, quarantine rows), upcast to the latest schema;
     the third frame is the cached parse both are read from (the caller unpersists it last).
 
     ``raw`` is the Kafka source's frame after :func:`attribute`. Nothing is deduplicated. The
     rule for every kind of bad input, first match wins, is in :data:`QUARANTINE_RULES`; a
-    tombstone (NULL value) is a row.
+    tombstone (NULL value) is a row. An avro topic's values are decoded by
+    :func:`backfill_assets.lake.avro.decode_stage` with ``writers`` (every schema id of the
+    window, :func:`backfill_assets.lake.avro.resolve`).
 
     The JSON is read once per record by the strict JVM reader
     (:class:`~backfill_assets.spec.transforms.StrictReader`), which returns every field the
@@ -416,6 +425,46 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
     the end keeps the filters on ``_reason`` from being pushed below the stages with every
     expression inlined (``test_raw_asset`` asserts the JSON is parsed once).
     """
+    from pyspark.sql import functions as F
+
+    col_names = [c.name for c in spec.columns]
+    if spec.format == "avro":
+        df, kafka_cols = avro.decode_stage(spec, raw, writers or {})
+        key_str = F.col("kafka_key").cast("string")
+        # A tombstone's key field is its key, if that is UTF-8 text (as for JSON topics).
+        key_text = F.when(F.col("is_tombstone") & F.is_valid_utf8(key_str), key_str)
+        df = df.select(
+            *kafka_cols,
+            "schema_version",
+            "_wire",
+            *[
+                F.coalesce(F.col(name), key_text).alias(name) if name == spec.key_field else name
+                for name in col_names
+            ],
+        )
+        reason = _reason(spec, _avro_rules())
+    else:
+        df, kafka_cols = _json_stage(spec, raw)
+        reason = _reason(spec, _json_rules(spec, F.col("schema_version")))
+    df = df.select(*kafka_cols, "schema_version", *col_names, reason.alias("_reason")).select(
+        *[
+            # Only quarantine rows keep the value bytes (the table does not store them): the
+            # cache holds what the two writes need, no more.
+            F.when(F.col("_reason").isNotNull(), F.col(c)).alias(c) if c == "kafka_value" else c
+            for c in kafka_cols
+        ],
+        "schema_version",
+        *col_names,
+        "_reason",
+        F.lit(run_id).alias("ingest_run_id"),
+    )
+    parsed = cache(df)
+    return _rows(parsed, col_names), _quarantine(parsed), parsed
+
+
+def _json_stage(spec: TopicSpec, raw: DataFrame) -> tuple[DataFrame, list[str]]:
+    """The Kafka columns, ``_invalid_json``, ``schema_version``, ``_object`` and the spec's
+    columns read from the JSON payload; and the names of the Kafka columns."""
     from pyspark.sql import functions as F
 
     from backfill_assets.spec.transforms import StrictReader, json_field, reading
@@ -460,21 +509,7 @@ def parse(spec: TopicSpec, raw: DataFrame, run_id: str) -> tuple[DataFrame, Data
             for name in col_names
         ],
     )
-    reason = _reason(spec, version)
-    df = df.select(*kafka_cols, "schema_version", *col_names, reason.alias("_reason")).select(
-        *[
-            # Only quarantine rows keep the value bytes (the table does not store them): the
-            # cache holds what the two writes need, no more.
-            F.when(F.col("_reason").isNotNull(), F.col(c)).alias(c) if c == "kafka_value" else c
-            for c in kafka_cols
-        ],
-        "schema_version",
-        *col_names,
-        "_reason",
-        F.lit(run_id).alias("ingest_run_id"),
-    )
-    parsed = cache(df)
-    return _rows(parsed, col_names), _quarantine(parsed), parsed
+    return df, kafka_cols
 
 
 def _payload_stage(raw: DataFrame, reader: StrictReader) -> tuple[DataFrame, list[str]]:
@@ -540,9 +575,10 @@ def _typed_columns(
     return typed
 
 
-def _reason(spec: TopicSpec, version: Column) -> Column:
+def _reason(spec: TopicSpec, payload_rules: list[tuple[Column, Column]]) -> Column:
     """The quarantine reason of a record (NULL for a row): :data:`QUARANTINE_RULES`, first
-    match wins, then each column's contract."""
+    match wins (``payload_rules``: the format's own, as (condition, reason)), then each
+    column's contract."""
     from pyspark.sql import functions as F
 
     size = F.coalesce(F.length("kafka_key"), F.lit(0)) + F.coalesce(
@@ -557,18 +593,34 @@ def _reason(spec: TopicSpec, version: Column) -> Column:
     )
     reason = reason.when(F.col("is_tombstone"), F.lit(None).cast("string"))
     reason = reason.when(F.length("kafka_value") == 0, F.lit("empty_value"))
-    reason = reason.when(
-        ~F.is_valid_utf8(F.col("kafka_value").cast("string")), F.lit("invalid_utf8")
-    )
-    reason = reason.when(F.col("_invalid_json"), F.lit("invalid_json"))
-    reason = reason.when(~F.col("_object"), F.lit("not_json_object"))
-    reason = reason.when(
-        version.isNull() | ~version.isin(spec.versions),
-        F.concat(F.lit("unknown_schema_version:"), F.coalesce(version.cast("string"), F.lit("?"))),
-    )
+    for condition, why in payload_rules:
+        reason = reason.when(condition, why)
     for col in spec.columns:
         reason = _column_rules(reason, col)
     return reason
+
+
+def _json_rules(spec: TopicSpec, version: Column) -> list[tuple[Column, Column]]:
+    from pyspark.sql import functions as F
+
+    return [
+        (~F.is_valid_utf8(F.col("kafka_value").cast("string")), F.lit("invalid_utf8")),
+        (F.col("_invalid_json"), F.lit("invalid_json")),
+        (~F.col("_object"), F.lit("not_json_object")),
+        (
+            version.isNull() | ~version.isin(spec.versions),
+            F.concat(
+                F.lit("unknown_schema_version:"), F.coalesce(version.cast("string"), F.lit("?"))
+            ),
+        ),
+    ]
+
+
+def _avro_rules() -> list[tuple[Column, Column]]:
+    """An avro value's wire-format reason (:func:`backfill_assets.lake.avro.decode_stage`)."""
+    from pyspark.sql import functions as F
+
+    return [(F.col("_wire").isNotNull(), F.col("_wire"))]
 
 
 def _column_rules(reason: Column, col: ColumnSpec) -> Column:
@@ -727,7 +779,7 @@ def window_contract(
         archive=Archive(settings),
         published=published,
         seal_grace=timedelta(seconds=settings.seal_grace_s),
-        decode=RecordDecoder(spec),
+        decode=RecordDecoder(spec, settings.schema_registry_url),
         decode_sample=settings.content_sample,
         decode_whole_up_to=settings.content_sample_above,
     )
@@ -783,7 +835,10 @@ def replay_to_branch(
     # One cache: the parse (on local disk). Rows and quarantine are filters of it; the first
     # write fills it, the second reads it back. The run's figures are measured on the branch
     # as written, by the checks (checks.run_checks).
-    rows, quarantine, parsed = parse(spec, raw, run_id)
+    writers = None
+    if spec.format == "avro":
+        writers = avro.resolve(spec, settings.schema_registry_url, avro.window_ids(raw))
+    rows, quarantine, parsed = parse(spec, raw, run_id, writers)
     try:
         props = audit_summary(contract, run_id)
         qwriter = quarantine.writeTo(qtable)

@@ -238,11 +238,34 @@ class CurrentSpec(_Spec):
     )
 
 
+FORMATS = ("json", "avro")
+
+
+def _avro_fields(spec: TopicSpec) -> None:
+    """Raise if an avro topic sets what only a JSON topic uses."""
+    for name in ("version_field", "upcasters", "decoders"):
+        if getattr(spec, name):
+            raise ValueError(
+                f"{name}: an avro topic has none; each record names its writer schema by the "
+                "registry id in its wire format, and Avro's schema resolution reads every "
+                "version as the columns (added fields from defaults, removed ones NULL, "
+                "int widened to long)"
+            )
+
+
 class TopicSpec(_Spec):
     """A Kafka topic: how to read its records, its current state and its declared tables."""
 
     topic: str = Field(description="the Kafka topic (and the prefix of its tables)")
-    format: Literal["json"] = Field(description="the record values' encoding")
+    format: Literal["json", "avro"] = Field(
+        description="the record values' encoding: json, or avro (Confluent's wire format: "
+        "magic byte 0, the registry's 4-byte schema id, Avro binary)"
+    )
+    subject: str | None = Field(
+        default=None,
+        description="avro: the schema registry subject whose latest schema gives the fields' "
+        "defaults; default `<topic>-value`",
+    )
     key_field: str = Field(description="the column whose value the Kafka key holds")
     event_id_field: str = Field(description="unique per event; duplicates are removed")
     event_time_field: str = Field(description="timestamp column that orders events")
@@ -277,6 +300,8 @@ class TopicSpec(_Spec):
             "upcasters": data.get("upcasters") or {},
             "decoders": data.get("decoders") or {},
         }
+        if data.get("format") == "avro" and data.get("subject") is None:
+            data["subject"] = f"{data.get('topic')}-value"
         if data.get("version_field") is None and data.get("latest_version") is None:
             data["latest_version"] = 1  # no version field: every record is read as the columns
         rule = {"key": data.get("key_field"), "order_by": data.get("event_time_field")}
@@ -305,9 +330,25 @@ class TopicSpec(_Spec):
             raise ValueError(f"must be a whole hour with a UTC offset, {example}")
         return start
 
+    @field_validator("format", mode="before")
+    @classmethod
+    def _known_format(cls, value: Any) -> Any:
+        if value in ("protobuf", "json_schema"):
+            raise ValueError(
+                f"{value!r} is not supported yet; allowed: {list(FORMATS)} (issue 28: Avro "
+                "through the schema registry is; Protobuf and JSON Schema come later)"
+            )
+        if value not in FORMATS:
+            raise ValueError(f"{value!r} is not a format; allowed: {list(FORMATS)}")
+        return value
+
     @model_validator(mode="after")
     def _fields_agree(self) -> TopicSpec:
         names = [c.name for c in self.columns]
+        if self.format == "avro":
+            _avro_fields(self)
+        elif self.subject is not None:
+            raise ValueError("subject: only an avro topic reads a schema registry subject")
         for field in ("key_field", "event_id_field"):
             if getattr(self, field) not in names:
                 raise ValueError(f"{field}: {getattr(self, field)!r} is not one of the columns")

@@ -20,7 +20,7 @@ from backfill_assets.stack.settings import Settings
 MAVEN_DIR = Path(__file__).resolve().parent / "maven"
 # spark-cloud: Postgres JDBC driver and S3 (only on Spark's classpath for a Postgres catalog or
 # an s3:// warehouse/archive); s3proxy: the test tier's object store, never on Spark's classpath;
-# spark-formats: spark-avro, for decoding schema-registry topics (not on Spark's classpath yet).
+# spark-formats: spark-avro, for decoding schema-registry topics (in spark.jars: from_avro).
 JAR_SETS = ("kafka-broker", "spark", "spark-cloud", "s3proxy", "spark-formats")
 _STAMP = ".resolved-pom.sha256"
 

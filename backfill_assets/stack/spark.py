@@ -93,9 +93,13 @@ def needs_cloud_jars(settings: Settings) -> bool:
 
 def spark_jars(settings: Settings) -> list[Path]:
     """The jars given to Spark (``spark.jars``): the ``spark`` set, the ``spark-cloud`` set when
-    :func:`needs_cloud_jars`, and the project's own JVM functions."""
+    :func:`needs_cloud_jars`, the ``spark-formats`` set (spark-avro, for avro topics'
+    ``from_avro``) and the project's own JVM functions. The class-data-sharing archive is keyed
+    by the ``spark`` set only: ``spark.jars`` are loaded by Spark's own class loader, not from
+    the JVM's class path the archive was built for, so adding spark-avro leaves it valid."""
     cloud = jars.jars(settings, "spark-cloud") if needs_cloud_jars(settings) else []
-    return [*jars.jars(settings, "spark"), *cloud, jars.udf_jar(settings)]
+    formats = jars.jars(settings, "spark-formats")
+    return [*jars.jars(settings, "spark"), *cloud, *formats, jars.udf_jar(settings)]
 
 
 def _session_sql(settings: Settings) -> dict[str, str]:
