@@ -52,6 +52,15 @@ DECLARED_RUN_S = 16.0
 # twice this "medium"; extrapolating beyond EXTRAPOLATION x the largest earlier run lowers it.
 FIT_ERROR_HIGH = 0.15
 EXTRAPOLATION = 3.0
+# Seconds per record of a raw run beyond its fixed cost, before history has pinned it down:
+# bench/planner.py on the demo (2026-11-26, 7 d against 24 h: 0.0013 s at load 4-6). A slope
+# measured from earlier runs replaces it in proportion to how precisely they measure it; runs
+# are taken to scatter by at least NOISE_FLOOR_S around their line (the demo's runs of a few
+# hundred to a few thousand records scatter by 5-10 s); the prior is trusted within a factor of
+# PRIOR_FACTOR (machines and topics differ).
+PRIOR_S_PER_RECORD = 0.001
+PRIOR_FACTOR = 3.0
+NOISE_FLOOR_S = 5.0
 COST_YELLOW_BYTES = 10 * 2**30
 COST_RED_BYTES = 100 * 2**30
 
@@ -320,7 +329,8 @@ def predict(
     phase.
 
     ``history`` holds (records, wall seconds) of earlier raw runs (RUN_START to RUN_SUCCESS,
-    current-state table included); a line through them gives the fixed seconds per run and the
+    current-state table included); a line through them, its slope pulled towards a prior
+    while they leave it uncertain (:func:`_fit`), gives the fixed seconds per run and the
     records per second. ``declared_walls`` are earlier runs of the declared tables the range
     also materializes (``declared_tables`` of them, launched together after the raw runs).
     ``daemon_pass`` is when the backfill daemon last started a pass, if known recently: a
@@ -663,23 +673,42 @@ def _history(instance: dg.DagsterInstance, key: dg.AssetKey) -> dict[str, dict[s
 
 
 def _fit(history: list[tuple[float, float]], sample_rate: float) -> tuple[float, float, str]:
-    """(fixed seconds per run, records per second, where they come from): a least-squares line
-    through earlier runs' (records, wall seconds), else defaults."""
+    """(fixed seconds per run, records per second, where they come from).
+
+    The seconds per record are the least-squares slope through earlier runs' (records, wall
+    seconds), shrunk towards PRIOR_S_PER_RECORD by how uncertain the slope is: runs a few
+    hundred records apart differ by noise, not by work, and alone they would set any slope
+    (the cause of the planner's +66% on 24 h). The fixed cost is then the median of what each
+    run left after its records. No history: the default fixed cost, and the slower of the
+    sample read and the prior rate."""
+    if not history:
+        rate = min(sample_rate, 1.0 / PRIOR_S_PER_RECORD) if sample_rate > 0 else 0.0
+        return RUN_OVERHEAD_S, rate, "sample read (no earlier runs) + default overhead"
+    slope, how = _slope(history)
+    overhead = max(0.0, statistics.median(w - slope * r for r, w in history))
+    return overhead, 1.0 / slope, f"fit over {len(history)} earlier run(s), {how}"
+
+
+def _slope(history: list[tuple[float, float]]) -> tuple[float, str]:
+    """Seconds per record: the data's slope and the prior, averaged on a log scale, each
+    weighted by the inverse of its relative variance (the data's from the scatter of the runs
+    around their line, at least NOISE_FLOOR_S per run; the prior's is PRIOR_FACTOR)."""
     xs = [r for r, _ in history]
     ys = [w for _, w in history]
-    if len(set(xs)) >= 2:
-        slope, intercept = statistics.linear_regression(xs, ys)
-        if slope > 0 and intercept >= 0:
-            return intercept, 1.0 / slope, f"fit over {len(xs)} earlier runs"
-        if slope > 0:  # a negative fixed cost: keep the rate through the origin
-            rate = sum(xs) / sum(ys)
-            return 0.0, rate, f"fit over {len(xs)} earlier runs (no fixed cost)"
-    if history:
-        overhead = min(RUN_OVERHEAD_S, statistics.median(ys) * 0.9)
-        spent = statistics.median(y - overhead for y in ys)
-        rate = statistics.median(xs) / spent if spent > 0 else sample_rate
-        return overhead, rate, f"{len(history)} earlier run(s) + default overhead"
-    return RUN_OVERHEAD_S, sample_rate, "sample read (no earlier runs) + default overhead"
+    mean_x = statistics.fmean(xs)
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    if len(history) < 2 or sxx == 0:
+        return PRIOR_S_PER_RECORD, "the prior rate (no runs of different sizes)"
+    slope, intercept = statistics.linear_regression(xs, ys)
+    if slope <= 0:
+        return PRIOR_S_PER_RECORD, "the prior rate (no per-record cost visible in them)"
+    residuals = [y - (intercept + slope * x) for x, y in zip(xs, ys, strict=True)]
+    scatter = (sum(e * e for e in residuals) / (len(xs) - 2)) ** 0.5 if len(xs) > 2 else 0.0
+    data_w = slope**2 * sxx / max(scatter, NOISE_FLOOR_S) ** 2  # 1 / relative variance
+    prior_w = 1.0 / math.log(PRIOR_FACTOR) ** 2
+    share = data_w / (data_w + prior_w)
+    blended = math.exp(share * math.log(slope) + (1 - share) * math.log(PRIOR_S_PER_RECORD))
+    return blended, f"{100 * share:.0f}% from their slope, the rest from the prior rate"
 
 
 def _size(n: float) -> str:
