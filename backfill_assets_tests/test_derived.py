@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
 import dagster as dg
@@ -154,3 +154,56 @@ def hourly_table(spec: TopicSpec) -> str:
 
 def current_table(spec: TopicSpec) -> str:
     return spec.current_table
+
+
+def _other_version_hours_by_definition(
+    rows: list[tuple[str, datetime | None, datetime, int, int, bool]],
+    start: datetime,
+    end: datetime,
+) -> dict[datetime, set[datetime]]:
+    """The definition, row by row: for each row of the window, the event hours of the other
+    rows (any Kafka hour) of its event id that differ from its own."""
+    live = [r for r in rows if not r[5] and r[1] is not None]
+    out: dict[datetime, set[datetime]] = {}
+    for key, event, kafka_hour, partition, offset, _ in live:
+        if not start <= kafka_hour < end:
+            continue
+        assert event is not None
+        own = event.replace(minute=0, second=0, microsecond=0)
+        for k2, e2, _, p2, o2, _ in live:
+            assert e2 is not None
+            other = e2.replace(minute=0, second=0, microsecond=0)
+            if k2 == key and (p2, o2) != (partition, offset) and other != own:
+                out.setdefault(kafka_hour, set()).add(other)
+    return out
+
+
+def test_other_version_hours_follows_its_definition(spark_session: SparkSession) -> None:
+    """Versions of ids spread over Kafka hours and event hours (moved corrections, versions in
+    one hour, tombstones, missing event times, windows that cut ids in two) give exactly the
+    pairs of the row-by-row definition."""
+    import random
+
+    from backfill_assets.lake.derived import other_version_hours
+
+    rng = random.Random(7)
+    rows: list[tuple[str, datetime | None, datetime, int, int, bool]] = []
+    base = datetime(2026, 4, 1, tzinfo=UTC)
+    for offset in range(600):
+        kafka_hour = base + timedelta(hours=rng.randrange(6))
+        drift = timedelta(minutes=rng.randrange(-150, 60))
+        event = None if rng.random() < 0.03 else kafka_hour + drift
+        tombstone = rng.random() < 0.03
+        rows.append((f"e{rng.randrange(150)}", event, kafka_hour, offset % 3, offset, tombstone))
+    view = f"versions_{uuid.uuid4().hex[:8]}"
+    spark_session.createDataFrame(
+        rows,
+        "event_id string, event_time timestamp, kafka_hour timestamp, "
+        "kafka_partition int, kafka_offset long, is_tombstone boolean",
+    ).createOrReplaceTempView(view)
+    spec = SPECS[0]
+    for first, last in ((0, 6), (2, 3), (5, 6)):
+        start, end = base + timedelta(hours=first), base + timedelta(hours=last)
+        expected = _other_version_hours_by_definition(rows, start, end)
+        assert expected, "the generated versions must move some events"
+        assert other_version_hours(spark_session, spec, view, start, end) == expected
