@@ -324,3 +324,29 @@ def test_registry_outage_fails_the_run_and_the_retry_publishes(
         )
         assert retried.success
         assert spark_session.table(table).count() == 3
+
+
+def test_the_window_scan_collects_every_schema_id_of_the_wire_format() -> None:
+    """No stack: the librdkafka scan's cells note each value's schema id (the writers the
+    parse resolves) and nothing for other values, so no second read of Kafka is needed."""
+    from backfill_assets.lake.windows import Cell, Windows
+
+    first, second = Cell(0, 0), Cell(10, 10)
+    values = [
+        (first, _framed(7, V1, {"event_id": "e", "order_id": "o", "amount": 1, "event_time": 0})),
+        (first, b"\x00" + struct.pack(">I", 4_000_000_000) + b"payload"),  # unsigned id
+        (second, b"\x00\x00\x00\x00\x05"),  # header only: id 5
+        (second, b"\x00\x00\x01"),  # too short for the wire format
+        (second, b'{"event_id": "e"}'),
+        (second, None),  # a tombstone
+    ]
+    for i, (cell, value) in enumerate(values):
+        cell.add(i, b"k", value, 0)
+    assert (first.schema_ids, second.schema_ids) == ({7, 4_000_000_000}, {5})
+    windows = Windows(
+        "t",
+        HOUR0,
+        HOUR0 + timedelta(hours=2),
+        {HOUR0: {0: first}, HOUR0 + timedelta(hours=1): {0: second}},
+    )
+    assert windows.schema_ids == [5, 7, 4_000_000_000]

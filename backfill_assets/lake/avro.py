@@ -190,12 +190,6 @@ def id_column() -> Column:
     return F.when(wire, F.conv(F.hex(F.substring(value, 2, 4)), 16, 10).cast("bigint"))
 
 
-def window_ids(raw: DataFrame) -> list[int]:
-    """The schema ids present in a window: one small aggregation over the values' ids."""
-    rows = raw.select(id_column().alias("sid")).where("sid IS NOT NULL").distinct().collect()
-    return sorted(int(r["sid"]) for r in rows)
-
-
 def decode_stage(
     spec: TopicSpec, raw: DataFrame, writers: Mapping[int, Writer]
 ) -> tuple[DataFrame, list[str]]:

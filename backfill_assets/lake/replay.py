@@ -837,7 +837,7 @@ def replay_to_branch(
     # as written, by the checks (checks.run_checks).
     writers = None
     if spec.format == "avro":
-        writers = avro.resolve(spec, settings.schema_registry_url, avro.window_ids(raw))
+        writers = avro.resolve(spec, settings.schema_registry_url, contract.windows.schema_ids)
     rows, quarantine, parsed = parse(spec, raw, run_id, writers)
     try:
         props = audit_summary(contract, run_id)

@@ -98,6 +98,7 @@ def _record_hash(position: int, key: bytes | None, value: bytes | None) -> int:
 
 _BOOL = {False: _INT.pack(0), True: _INT.pack(1)}
 _TWO_63, _TWO_64 = 1 << 63, 1 << 64
+WIRE_HEADER = 5  # Confluent's wire format: magic byte 0, then the schema id
 
 
 @dataclass
@@ -116,6 +117,9 @@ class Cell:
     decoded_rows: int = 0
     decoded_sum: int = 0
     unverified: int = 0
+    # The schema ids of its values in Confluent's wire format (0x00 + a 4-byte big-endian id):
+    # the writer schemas an avro topic's parse needs, known without another read of Kafka.
+    schema_ids: set[int] = field(default_factory=set)
 
     def add(self, offset: int, key: bytes | None, value: bytes | None, partition: int) -> int:
         """Count one record; its position hash (content.position_hash), which the decode's
@@ -124,6 +128,8 @@ class Cell:
         self.size += len(key or b"") + len(value or b"")
         position = position_hash(partition, offset)
         self.hash_sum += _record_hash(position, key, value)
+        if value and value[0] == 0 and len(value) >= WIRE_HEADER:
+            self.schema_ids.add(int.from_bytes(value[1:WIRE_HEADER], "big"))
         if self.first_offset is None:
             self.first_offset = offset
         self.last_offset = offset
@@ -177,6 +183,12 @@ class Windows:
     @property
     def offsets(self) -> int:
         return sum(e - s for s, e in self.ranges.values())
+
+    @property
+    def schema_ids(self) -> list[int]:
+        """Every schema id the windows' values carry in Confluent's wire format."""
+        ids = {i for row in self.cells.values() for cell in row.values() for i in cell.schema_ids}
+        return sorted(ids)
 
     def hour_figures(self) -> dict[str, dict[str, int]]:
         """Per hour (ISO, UTC): committed records, bytes and hash sum over all partitions; with
