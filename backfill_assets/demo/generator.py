@@ -52,6 +52,8 @@ from backfill_assets.stack.kafka import client_log
 from backfill_assets.stack.settings import Settings
 
 RecordKind = Literal["valid", "duplicate", "malformed", "tombstone"]
+Encoding = Literal["json", "avro"]
+ENCODINGS: tuple[str, ...] = ("json", "avro")
 SchemaVersion = Literal[1, 2]
 
 HOUR_MS = 3_600_000
@@ -124,6 +126,9 @@ class GeneratorConfig:
     malformed_share: float = 0.01
     tombstone_share: float = 0.02
     schema_switch_fraction: float = 0.5
+    # How generate() writes the planned records: "avro" serializes the same events in
+    # Confluent's wire format through the schema registry (demo/avro.py).
+    encoding: Encoding = "json"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -165,6 +170,10 @@ class GeneratorConfig:
         for name in ("late_share", "duplicate_share", "malformed_share", "tombstone_share"):
             _share(name, getattr(self, name), _MAX_SHARE)
         _share("schema_switch_fraction", self.schema_switch_fraction, 1.0)
+        if self.encoding not in ENCODINGS:
+            raise GeneratorError(
+                f"GeneratorConfig.encoding={self.encoding!r} is not one of {', '.join(ENCODINGS)}"
+            )
         if not isinstance(self.max_lateness, timedelta) or not (
             _MIN_LATENESS <= self.max_lateness <= _MAX_LATENESS
         ):
@@ -213,6 +222,7 @@ class GeneratorConfig:
             "malformed_share": self.malformed_share,
             "tombstone_share": self.tombstone_share,
             "schema_switch_fraction": self.schema_switch_fraction,
+            "encoding": self.encoding,
         }
 
     @classmethod
@@ -231,6 +241,7 @@ class GeneratorConfig:
             malformed_share=float(data["malformed_share"]),
             tombstone_share=float(data["tombstone_share"]),
             schema_switch_fraction=float(data["schema_switch_fraction"]),
+            encoding=data.get("encoding", "json"),
         )
 
 
@@ -775,6 +786,9 @@ def generate(
 ) -> GroundTruth:
     """Create ``config.topic`` if needed (it must be empty), produce the plan, return the truth.
 
+    With ``config.encoding="avro"`` the events' values are written in Avro through the schema
+    registry (``settings.schema_registry_url``); the ground truth is the same.
+
     The manifest, if ``manifest_path`` is given, is written only after every record was
     acknowledged. ``on_progress(records handed to the producer, total)`` is called as it goes.
     """
@@ -782,7 +796,7 @@ def generate(
     admin_conf: dict[str, str | int | float | bool] = dict(settings.kafka.client_config())
     admin = AdminClient(admin_conf)
     next_offsets = _prepare_topic(settings, admin, config)
-    offsets = _produce(settings, config.topic, plan, on_progress)
+    offsets = _produce(settings, config.topic, _encoded(settings, config, plan), on_progress)
     first_offsets = _first_offsets(config, plan, offsets, next_offsets)
     truth = build_ground_truth(config, plan, first_offsets)
     if manifest_path is not None:
@@ -814,12 +828,25 @@ def produce_history(
             seed=config.seed + index,
         )
         plan = plan_events(chunk)
-        _produce(settings, config.topic, plan)
+        _produce(settings, config.topic, _encoded(settings, config, plan))
         produced += len(plan)
         del plan
         if on_progress is not None:
             on_progress(first + chunk.hours, config.hours)
     return produced
+
+
+def _encoded(
+    settings: Settings, config: GeneratorConfig, plan: list[PlannedRecord]
+) -> list[PlannedRecord]:
+    """The plan as ``config.encoding`` writes it: JSON as planned, or Avro (demo/avro.py)."""
+    if config.encoding == "json":
+        return plan
+    from backfill_assets.demo.avro import Encoder
+
+    encode = Encoder(settings.schema_registry_url, config.topic)
+    # Malformed records keep their JSON bytes (not the wire format: quarantined), tombstones NULL.
+    return [replace(r, value=encode(r)) if r.kind in ("valid", "duplicate") else r for r in plan]
 
 
 def _kafka_error(exc: BaseException) -> KafkaError | None:

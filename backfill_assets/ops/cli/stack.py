@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 import click
 
@@ -186,6 +186,15 @@ def _registry(settings: Settings, *, start: bool) -> RegistryStatus:
     help="first hour (ISO-8601, UTC); default: the --hours hours that ended an hour before the "
     "current one",
 )
+@click.option(
+    "--format",
+    "encoding",
+    type=click.Choice(["json", "avro"]),
+    default="json",
+    show_default=True,
+    help="avro: the same orders in Confluent's wire format, schemas registered under "
+    "<topic>-value in the schema registry (start it with `stack up`)",
+)
 @with_ui
 def generate_command(
     ui: Ui,
@@ -196,6 +205,7 @@ def generate_command(
     events_per_hour: int,
     seed: int,
     start: str | None,
+    encoding: Literal["json", "avro"],
 ) -> int:
     """Write deterministic demo history into Kafka."""
     from backfill_assets.demo.generator import GeneratorConfig, generate
@@ -215,13 +225,14 @@ def generate_command(
         hours=hours,
         events_per_hour=events_per_hour,
         seed=seed,
+        encoding=encoding,
     )
     manifest = settings.home / "demo" / f"{topic}.ground-truth.json"
     with ui.progress(f"writing {topic}", None, "records") as update:
         truth = generate(settings, config, manifest_path=manifest, on_progress=update)
     totals = truth.totals
     ui.line(
-        f"wrote {totals['records']} records to {topic!r} "
+        f"wrote {totals['records']} {encoding} records to {topic!r} "
         f"({config.partitions} partitions, {config.hours} h from {first.isoformat()}): "
         + ", ".join(f"{k}={v}" for k, v in totals.items() if k != "records")
     )
@@ -232,6 +243,7 @@ def generate_command(
             "partitions": config.partitions,
             "start": first.isoformat(),
             "hours": config.hours,
+            "format": encoding,
             "totals": totals,
             "ground_truth": str(manifest),
         }
