@@ -15,6 +15,13 @@ topic, then, in one run (ratios compare within a run only):
    ``--mem-factor``x range, each materialized in a fresh subprocess (this script with
    ``--child``).
 
+``--format avro`` runs the same on an Avro history: a local schema registry
+(``stack/registry.py``) is started next to the broker, the generated orders are produced in
+Confluent's wire format (one writer schema, registered under ``<topic>-value``), the asset reads
+them with a ``format: avro`` spec and the hand-written job (h) becomes ``from_avro`` with that
+writer schema instead of ``from_json``. Bare Spark (a) and librdkafka (b) do not decode, so they
+are unchanged.
+
 ``--home DIR`` keeps the broker's data and the topic: run again with the same sizes, the history
 is reused (the scale benchmark generates its 10 M records once:
 ``--skip-throughput --hours 10 --events-per-hour 100000 --home /tmp/bench-scale``).
@@ -65,6 +72,7 @@ PHASE_CHECKS = "[phase] checks.run_checks, all of it"
 PHASE_SCAN = "[phase] windows.scan (librdkafka count + hash), all of it"
 PHASE_PUBLISH = "[phase] wap.publish, all of it"
 PHASES = (PHASE_CHECKS, PHASE_SCAN, PHASE_PUBLISH)
+AVRO_UNKNOWN_ID = 987_654  # --format avro: the id framing half of the malformed records
 HAND_GOAL = 0.7  # asset records/s >= 0.7x the hand-written Kafka -> from_json -> Iceberg job
 BARE_GOAL = 0.3  # asset records/s >= 0.3x the bare Kafka -> Parquet copy
 
@@ -79,12 +87,144 @@ def partition_key(hour: datetime) -> str:
     return hour.strftime("%Y-%m-%d-%H:%M")
 
 
-def orders_spec(topic: str) -> TopicSpec:
+def orders_spec(topic: str, fmt: str = "json") -> TopicSpec:
+    """The demo's ``orders`` spec for ``topic``; with ``fmt`` avro, the same columns read from
+    Confluent's wire format (subject ``<topic>-value``, no version field or upcasters)."""
     from backfill_assets.spec.declared import renamed
     from backfill_assets.spec.loader import load_specs
+    from backfill_assets.spec.model import TopicSpec
 
     (orders,) = [s for s in load_specs() if s.topic == "orders"]
-    return renamed(orders, topic=topic)
+    if fmt == "json":
+        return renamed(orders, topic=topic)
+    avro = renamed(
+        orders,
+        topic=topic,
+        format="avro",
+        subject=f"{topic}-value",
+        version_field=None,
+        upcasters={},
+        decoders={},
+        latest_version=1,
+    )
+    # The spec's own checks of an avro topic; the bench builds only the raw asset (no tables).
+    return TopicSpec.model_validate({**avro.model_dump(), "tables": ()})
+
+
+# --- --format avro: the orders history in Confluent's wire format --------------------------
+
+
+def avro_writer_schema() -> str:
+    """The one writer schema of the Avro history: the orders columns (amount in minor units,
+    event time as timestamp-millis)."""
+    text = "string"
+    fields = [
+        {"name": n, "type": text}
+        for n in ("event_id", "order_id", "customer_id", "event_type", "status")
+    ]
+    fields += [
+        {"name": "amount_minor", "type": "long"},
+        {"name": "currency", "type": text},
+        {"name": "channel", "type": text},
+        {"name": "event_time", "type": {"type": "long", "logicalType": "timestamp-millis"}},
+    ]
+    return json.dumps({"type": "record", "name": "Order", "namespace": "bench", "fields": fields})
+
+
+def register_avro_schema(settings: Settings, topic: str) -> int:
+    """Register the writer schema under ``<topic>-value``; its registry id."""
+    from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
+
+    client = SchemaRegistryClient({"url": settings.schema_registry_url})
+    return int(client.register_schema(f"{topic}-value", Schema(avro_writer_schema(), "AVRO")))
+
+
+class AvroOrders:
+    """Re-encodes the generator's planned JSON records as Avro, as a producer with
+    confluent-kafka's AvroSerializer writes them. Valid records and their duplicates become the
+    same record of the writer schema (a v1 record's amount in minor units, its channel
+    ``unknown``, as the v1 upcaster reads it); tombstones stay NULL; the malformed ones become
+    what goes wrong with Avro: a payload cut in half (``invalid_json``, ``missing_event_time``)
+    or a valid payload framed with a schema id the registry does not know (``wrong_type``,
+    ``unknown_schema_version``)."""
+
+    def __init__(self, settings: Settings, topic: str) -> None:
+        from confluent_kafka.schema_registry import SchemaRegistryClient
+        from confluent_kafka.schema_registry.avro import AvroSerializer
+        from confluent_kafka.serialization import MessageField, SerializationContext
+
+        client = SchemaRegistryClient({"url": settings.schema_registry_url})
+        self.serialize = AvroSerializer(
+            client, avro_writer_schema(), conf={"auto.register.schemas": False}
+        )
+        self.ctx = SerializationContext(topic, MessageField.VALUE)
+
+    def encode(self, record: Any) -> bytes | None:
+        if record.value is None:
+            return None
+        if record.kind == "malformed":
+            body = self._bytes(
+                {
+                    "event_id": record.event_id or f"bad-{record.timestamp_ms}",
+                    "order_id": record.order_id,
+                    "customer_id": "c-00000",
+                    "event_type": "updated",
+                    "status": "open",
+                    "amount_minor": 0,
+                    "currency": "EUR",
+                    "channel": "web",
+                    "event_time": record.timestamp_ms,
+                }
+            )
+            if record.malformed_reason in ("invalid_json", "missing_event_time"):
+                return body[: 5 + (len(body) - 5) // 2]
+            return b"\x00" + AVRO_UNKNOWN_ID.to_bytes(4, "big") + body[5:]
+        payload = json.loads(record.value)
+        return self._bytes(
+            {
+                "event_id": record.event_id,
+                "order_id": record.order_id,
+                "customer_id": payload["customer_id"],
+                "event_type": record.event_type,
+                "status": record.status,
+                "amount_minor": record.amount_minor,
+                "currency": record.currency,
+                "channel": payload.get("channel", "unknown"),
+                "event_time": record.event_time_ms,
+            }
+        )
+
+    def _bytes(self, value: dict[str, Any]) -> bytes:
+        data = self.serialize(value, self.ctx)
+        assert isinstance(data, bytes)
+        return data
+
+
+def produce_avro_history(
+    settings: Settings, config: Any, on_progress: Any, chunk_hours: int = 12
+) -> int:
+    """``produce_history`` of the generator (same plans, chunk by chunk, same seeds), each
+    record's value re-encoded by :class:`AvroOrders`; the records produced."""
+    from confluent_kafka.admin import AdminClient  # type: ignore[attr-defined]
+
+    from backfill_assets.demo import generator as gen
+
+    encoder = AvroOrders(settings, config.topic)
+    gen._prepare_topic(settings, AdminClient(dict(settings.kafka.client_config())), config)
+    produced = 0
+    for index, first in enumerate(range(0, config.hours, chunk_hours)):
+        chunk = dataclasses.replace(
+            config,
+            start=config.start + timedelta(hours=first),
+            hours=min(chunk_hours, config.hours - first),
+            seed=config.seed + index,
+        )
+        plan = [dataclasses.replace(r, value=encoder.encode(r)) for r in gen.plan_events(chunk)]
+        gen._produce(settings, config.topic, plan)
+        produced += len(plan)
+        del plan
+        on_progress(first + chunk.hours, config.hours)
+    return produced
 
 
 def resources() -> dict[str, object]:
@@ -147,12 +287,20 @@ def hand_written(
     spec: TopicSpec,
     contract: OffsetContract,
     table: str,
+    writer_schema: str | None = None,
 ) -> tuple[float, int]:
     """What a user would write by hand: read the same offsets, ``from_json`` with the table's
     schema, append to a fresh Iceberg table partitioned by Kafka hour. No exactness, no
     quarantine, no checks (``from_json`` coerces and nulls what it cannot read). Seconds and
-    rows appended."""
+    rows appended.
+
+    With ``writer_schema`` (an Avro topic's, as the user fetched it from the registry): the
+    value without its 5-byte Confluent header (magic byte, schema id), ``from_avro`` with that
+    schema (PERMISSIVE: a record it cannot read is NULL instead of failing the job), the
+    columns selected by name. One writer schema for every record: the schema ids are not
+    looked at."""
     from pyspark.sql import functions as F
+    from pyspark.sql.avro.functions import from_avro
 
     from backfill_assets.lake.replay import read_contract
     from backfill_assets.spec.model import SPARK_TYPES
@@ -166,13 +314,20 @@ def hand_written(
         "PARTITIONED BY (hours(kafka_timestamp))"
     )
     began = time.monotonic()
+    if writer_schema is None:
+        decoded = F.from_json(F.col("value").cast("string"), schema)
+        values = [F.col("j.*")]
+    else:
+        payload = F.expr("substring(value, 6)")
+        decoded = from_avro(payload, writer_schema, {"mode": "PERMISSIVE"})
+        values = [F.col(f"j.{c.name}") for c in spec.columns]
     parsed = read_contract(spark, settings, contract).select(
         F.col("partition").alias("kafka_partition"),
         F.col("offset").alias("kafka_offset"),
         F.col("timestamp").alias("kafka_timestamp"),
-        F.from_json(F.col("value").cast("string"), schema).alias("j"),
+        decoded.alias("j"),
     )
-    parsed.select("kafka_partition", "kafka_offset", "kafka_timestamp", "j.*").writeTo(
+    parsed.select("kafka_partition", "kafka_offset", "kafka_timestamp", *values).writeTo(
         table
     ).append()
     seconds = time.monotonic() - began
@@ -186,12 +341,16 @@ def spark_parse(
     """The asset's own read, window attribution and parse, written to Parquet: no Iceberg,
     branch, checks, publish or Dagster. Separates the cost of the transform from that of
     write-audit-publish. ``contract`` must come from ``offset_contract`` (it has windows)."""
+    from backfill_assets.lake import avro
     from backfill_assets.lake.replay import attribute, parse, read_contract
 
     shutil.rmtree(out, ignore_errors=True)
     began = time.monotonic()
     source = attribute(spark, read_contract(spark, settings, contract), contract)
-    rows, quarantine, *cached = parse(spec, source, "bench")
+    writers = None
+    if spec.format == "avro":  # as the asset does: every schema id of the range, resolved
+        writers = avro.resolve(spec, settings.schema_registry_url, avro.window_ids(source))
+    rows, quarantine, *cached = parse(spec, source, "bench", writers)
     rows.write.parquet(str(out / "rows"))
     quarantine.write.parquet(str(out / "quarantine"))
     seconds = time.monotonic() - began
@@ -270,7 +429,8 @@ def child(args: argparse.Namespace) -> None:
 
     start = datetime.fromisoformat(args.start)
     use_namespace(args.namespace)
-    seconds, meta = materialize(orders_spec(args.topic), start, datetime.fromisoformat(args.end))
+    spec = orders_spec(args.topic, args.format)
+    seconds, meta = materialize(spec, start, datetime.fromisoformat(args.end))
     session = spark_mod.get_session(Settings.from_env())  # the run's session (getOrCreate)
     jvm = session.sparkContext._jvm
     assert jvm is not None
@@ -287,11 +447,13 @@ def child(args: argparse.Namespace) -> None:
     session.stop()
 
 
-def run_child(topic: str, start: datetime, end: datetime, namespace: str) -> dict[str, Any]:
+def run_child(
+    topic: str, start: datetime, end: datetime, namespace: str, fmt: str
+) -> dict[str, Any]:
     cmd = [
         *(sys.executable, os.path.abspath(__file__), "--child"),
         *("--topic", topic, "--start", start.isoformat(), "--end", end.isoformat()),
-        *("--namespace", namespace),
+        *("--namespace", namespace, "--format", fmt),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), check=False)
     for line in proc.stdout.splitlines():
@@ -399,6 +561,14 @@ def main() -> None:
         help="run every Spark contender as a thin client of a local Spark Connect server this "
         "script starts (the asset's runs and the baselines alike); implies --skip-memory",
     )
+    parser.add_argument(
+        "--format",
+        choices=("json", "avro"),
+        default="json",
+        help="the history's encoding: json (the demo's orders), or avro (the same orders in "
+        "Confluent's wire format, with a local schema registry; the hand-written job uses "
+        "from_avro)",
+    )
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument(
@@ -432,11 +602,21 @@ def main() -> None:
             f"{home} holds another history ({state['history']}, this run needs {history}); "
             "pass another --home or delete that one"
         )
+    if state and state.get("format", "json") != args.format:  # homes before --format: json
+        raise SystemExit(
+            f"{home} holds a {state.get('format', 'json')} history, this run asks for "
+            f"--format {args.format}; pass another --home (one per format) or delete that one"
+        )
     ports = state.get("ports") or {"kafka": free_port(), "controller": free_port()}
+    if args.format == "avro":
+        # The registry keeps its schemas in memory: a fresh one per run, on a free port.
+        os.environ["BACKFILL_SCHEMA_REGISTRY_PORT"] = str(free_port())
+        os.environ.pop("BACKFILL_SCHEMA_REGISTRY_URL", None)
     os.environ.update(
         {
             "BACKFILL_HOME": home,
-            "BACKFILL_JAR_CACHE": os.path.abspath(".stack/jars"),
+            "BACKFILL_JAR_CACHE": os.environ.get("BACKFILL_JAR_CACHE")
+            or os.path.abspath(".stack/jars"),
             "BACKFILL_KAFKA_PORT": str(ports["kafka"]),
             "BACKFILL_KAFKA_CONTROLLER_PORT": str(ports["controller"]),
             "BACKFILL_DAGSTER_STORAGE": os.path.join(home, "dagster"),
@@ -451,14 +631,20 @@ def main() -> None:
     settings = Settings.from_env()
     engine = "Spark Connect (local server)" if args.connect else f"Spark {settings.spark_master}"
     print(
-        f"{engine}, driver memory {settings.spark_driver_memory}, "
+        f"format {args.format}; {engine}, driver memory {settings.spark_driver_memory}, "
         f"shuffle partitions {settings.spark_shuffle_partitions}; load average "
         f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
     broker = LocalBroker(settings)
     broker.start()
     server: Any = None
+    registry: Any = None
     try:
+        if args.format == "avro":
+            from backfill_assets.stack.registry import LocalRegistry
+
+            registry = LocalRegistry(settings)
+            print(registry.start().describe(), flush=True)
         if args.connect:
             server = connect_server()
             args.skip_memory = True  # the driver JVM is the server's: no per-run peak to read
@@ -466,27 +652,37 @@ def main() -> None:
         if state:
             topic = str(state["topic"])
             print(f"reusing {state['records']:,} records over {hours} h in {topic} ({home})")
+            if args.format == "avro":
+                schema_id = register_avro_schema(settings, topic)
+                if schema_id != state["schema_id"]:
+                    raise SystemExit(
+                        f"the fresh registry gave the writer schema id {schema_id}, the records "
+                        f"in {home} carry {state['schema_id']}; delete that --home"
+                    )
         else:
             topic = f"bench_{uuid.uuid4().hex[:6]}"
             began = time.monotonic()
-            records = produce_history(
-                settings,
-                GeneratorConfig(
-                    topic=topic,
-                    start=HISTORY_START,
-                    hours=hours,
-                    events_per_hour=args.events_per_hour,
-                ),
-                on_progress=lambda done, total: print(
-                    f"  generated {done}/{total} h ({time.monotonic() - began:.0f}s)", flush=True
-                ),
+            config = GeneratorConfig(
+                topic=topic, start=HISTORY_START, hours=hours, events_per_hour=args.events_per_hour
             )
+
+            def progress(done: int, total: int) -> None:
+                print(f"  generated {done}/{total} h ({time.monotonic() - began:.0f}s)", flush=True)
+
+            if args.format == "avro":
+                schema_id = register_avro_schema(settings, topic)
+                records = produce_avro_history(settings, config, progress)
+            else:
+                records = produce_history(settings, config, on_progress=progress)
             print(
-                f"generated {records:,} records over {hours} h into {topic} "
+                f"generated {records:,} {args.format} records over {hours} h into {topic} "
                 f"in {time.monotonic() - began:.0f}s"
             )
             if keep:
                 state = {"history": history, "ports": ports, "topic": topic, "records": records}
+                state["format"] = args.format
+                if args.format == "avro":
+                    state["schema_id"] = schema_id
                 state_path.write_text(json.dumps(state, indent=1))
         start = HISTORY_START + timedelta(hours=1)
         if not args.skip_throughput:
@@ -496,6 +692,8 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
+        if registry is not None:
+            registry.stop()
         broker.stop()
         if not keep:
             shutil.rmtree(home, ignore_errors=True)
@@ -518,7 +716,13 @@ def throughput(args: argparse.Namespace, settings: Settings, topic: str, start: 
     from backfill_assets.stack import spark as spark_mod
     from backfill_assets.stack.kafka import KafkaClient
 
-    spec = orders_spec(topic)
+    spec = orders_spec(topic, args.format)
+    writer = None  # the hand-written job's from_avro schema, fetched as a user would
+    if args.format == "avro":
+        from confluent_kafka.schema_registry import SchemaRegistryClient
+
+        registry = SchemaRegistryClient({"url": settings.schema_registry_url})
+        writer = str(registry.get_latest_version(f"{topic}-value").schema.schema_str)
     kafka = KafkaClient()
     warm = (HISTORY_START, HISTORY_START + timedelta(hours=1))
     end = start + timedelta(hours=args.hours)
@@ -537,7 +741,7 @@ def throughput(args: argparse.Namespace, settings: Settings, topic: str, start: 
     else:
         materialize(spec, *warm)
     bare_spark(spark, settings, warm_contract, parquet)
-    hand_written(spark, settings, spec, warm_contract, hand_table)
+    hand_written(spark, settings, spec, warm_contract, hand_table, writer)
     spark_parse(spark, settings, spec, warm_contract, parquet)
     librdkafka(settings, warm_contract)
     print(f"warm-up (1 h, {warm_contract.records:,} offsets): {time.monotonic() - began:.0f}s")
@@ -557,7 +761,7 @@ def throughput(args: argparse.Namespace, settings: Settings, topic: str, start: 
         replay_s.append(float(meta["run"]["duration_s"]))
         seconds, bare.records = bare_spark(spark, settings, contract, parquet)
         bare.seconds.append(seconds)
-        seconds, hand.records = hand_written(spark, settings, spec, contract, hand_table)
+        seconds, hand.records = hand_written(spark, settings, spec, contract, hand_table, writer)
         hand.seconds.append(seconds)
         parsed.seconds.append(spark_parse(spark, settings, spec, contract, parquet))
         parsed.records = asset.records
@@ -577,7 +781,7 @@ def throughput(args: argparse.Namespace, settings: Settings, topic: str, start: 
     stat = "median" if args.repeat > 1 else "single run"
     print()
     print(
-        f"Throughput over {args.hours} h x {args.events_per_hour:,} events/h "
+        f"Throughput ({args.format} topic) over {args.hours} h x {args.events_per_hour:,} events/h "
         f"({contract.records:,} offsets in {len(contract.ranges)} partitions), {stat} "
         f"of {args.repeat}:"
     )
@@ -585,7 +789,7 @@ def throughput(args: argparse.Namespace, settings: Settings, topic: str, start: 
     rows: list[tuple[str, Sample]] = [
         ("raw asset (materialize: WAP, checks, publish)", asset),
         ("(a) bare Spark Kafka -> Parquet", bare),
-        ("(h) hand-written Kafka -> from_json -> Iceberg", hand),
+        (f"(h) hand-written Kafka -> from_{args.format} -> Iceberg", hand),
         ("(b) librdkafka consume-and-discard", rdk),
         ("(c) Spark parse + dedupe -> Parquet, no WAP", parsed),
     ]
@@ -640,7 +844,7 @@ def memory(args: argparse.Namespace, topic: str, start: datetime) -> None:
     for _ in range(args.mem_repeat):
         for factor, done in runs.items():
             end = start + timedelta(hours=args.hours * factor)
-            done.append(run_child(topic, start, end, f"bench_mem{factor}"))
+            done.append(run_child(topic, start, end, f"bench_mem{factor}", args.format))
     results = [
         (f"{f}x", {k: statistics.median(r[k] for r in rs) for k in rs[0]}) for f, rs in runs.items()
     ]
