@@ -348,8 +348,9 @@ def spark_parse(
     began = time.monotonic()
     source = attribute(spark, read_contract(spark, settings, contract), contract)
     writers = None
-    if spec.format == "avro":  # as the asset does: every schema id of the range, resolved
-        writers = avro.resolve(spec, settings.schema_registry_url, avro.window_ids(source))
+    if spec.format == "avro":  # as the asset does: the scan's schema ids, resolved
+        assert contract.windows is not None
+        writers = avro.resolve(spec, settings.schema_registry_url, contract.windows.schema_ids)
     rows, quarantine, *cached = parse(spec, source, "bench", writers)
     rows.write.parquet(str(out / "rows"))
     quarantine.write.parquet(str(out / "quarantine"))
