@@ -25,6 +25,7 @@ from click.testing import CliRunner
 
 from backfill_assets.demo.generator import GeneratorConfig, generate
 from backfill_assets.stack.connect import LocalConnectServer
+from backfill_assets.stack.registry import LocalRegistry
 from backfill_assets.stack.settings import Settings
 from backfill_assets_tests.support import services
 
@@ -87,6 +88,30 @@ print("RESULT " + json.dumps(out))
 """
 
 
+# Runs in the child: the raw asset of test_avro_topic's Avro topic (three writer versions, bad
+# records) over Spark Connect, with the registry BACKFILL_SCHEMA_REGISTRY_URL names.
+CHILD_AVRO = r"""
+import json, sys
+import dagster as dg
+from backfill_assets.defs.assets import build_raw_asset
+from backfill_assets.defs.definitions import RESOURCES
+from backfill_assets_tests.test_avro_topic import RANGE, _spec
+
+spec = _spec(sys.argv[1])
+with dg.instance_for_test() as instance:
+    res = dg.materialize([build_raw_asset(spec)], resources=RESOURCES, instance=instance,
+                         raise_on_error=False,
+                         tags={"dagster/asset_partition_range_start": RANGE[0],
+                               "dagster/asset_partition_range_end": RANGE[1]})
+    out = {"success": res.success,
+           "failures": [e.message or "" for e in res.all_events if e.is_failure],
+           "checks": {e.check_name: e.passed for e in res.get_asset_check_evaluations()}}
+from backfill_assets.stack import spark
+out["session_modules"] = sorted({type(s).__module__ for s in spark._connect_sessions.values()})
+print("RESULT " + json.dumps(out))
+"""
+
+
 @dataclasses.dataclass
 class Server:
     url: str
@@ -107,10 +132,10 @@ def connect_server(stack_settings: Settings) -> Iterator[Server]:
         server.stop()
 
 
-def _child(url: str, topic: str, *assets: str) -> dict[str, Any]:
+def _child(url: str, topic: str, *assets: str, script: str = CHILD) -> dict[str, Any]:
     env = {**os.environ, "BACKFILL_SPARK_CONNECT": url}
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, topic, *assets],
+        [sys.executable, "-c", script, topic, *assets],
         env=env,
         capture_output=True,
         text=True,
@@ -191,6 +216,46 @@ def test_backfill_over_connect_publishes_what_was_produced(
     snap = main.snapshot_by_id(main.refs["main"].snapshot_id)
     assert snap is not None and snap.summary is not None
     assert snap.summary.additional_properties.get("backfill.run-id") == out["raw"]["run_id"]
+
+
+def test_avro_topic_over_connect_decodes_every_writer_version(
+    connect_server: Server,
+    stack_settings: Settings,
+    iceberg_catalog: Catalog,
+    registry: LocalRegistry,
+) -> None:
+    """spark-avro's from_avro runs on the Connect server (its spark.jars): the same Avro topic
+    as test_avro_topic gives the same rows and quarantine reasons through a thin client."""
+    from confluent_kafka.schema_registry import SchemaRegistryClient
+
+    from backfill_assets_tests import test_avro_topic as avro_case
+
+    topic = f"avro_{uuid.uuid4().hex[:8]}"
+    records = avro_case._records(SchemaRegistryClient({"url": registry.url}), topic)
+    offsets = avro_case._produce(stack_settings, topic, records)
+
+    out = _child(connect_server.url, topic, script=CHILD_AVRO)
+
+    assert out["success"], out["failures"]
+    assert out["checks"] and all(out["checks"].values()), out["checks"]
+    assert "decoded_content" in out["checks"]
+    assert out["session_modules"] == ["pyspark.sql.connect.session"], out
+    ns = stack_settings.catalog.namespace
+    rows = {r["kafka_offset"]: r for r in _rows(iceberg_catalog, f"{ns}.raw_{topic}")}
+    quarantine = {
+        r["kafka_offset"]: r["reason"] for r in _rows(iceberg_catalog, f"{ns}.{topic}_quarantine")
+    }
+    for offset, (_, want) in zip(offsets, records, strict=True):
+        if isinstance(want, str):
+            assert quarantine.get(offset) == want[2:], offset
+            continue
+        got = rows[offset]
+        for name, value in want.items():
+            if name == "event_time_ms":
+                assert int(got["event_time"].timestamp() * 1000) == value, offset
+            else:
+                assert got[name] == value, (offset, name)
+    assert len(rows) + len(quarantine) == len(records)
 
 
 def test_unreachable_connect_server_is_a_settings_error(

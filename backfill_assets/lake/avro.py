@@ -35,6 +35,10 @@ if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
 
 HEADER = 5  # magic byte + schema id
+# A field only the reader schema has, defaulting to true: Spark's PERMISSIVE from_avro returns
+# a struct of NULLs (not a NULL struct) for bytes that do not decode, so this field being NULL
+# is what says the decode failed.
+DECODED = "__backfill_decoded"
 _AVRO_TYPES = {
     "string": "string",
     "bigint": "long",
@@ -107,9 +111,10 @@ def reader_schema(
 ) -> dict[str, Any]:
     """The reader schema for ``writer``: a record of the writer's name with the spec's columns,
     every one nullable, defaulting to the latest schema's default for the field (else NULL). A
-    timestamp column reads the writer's timestamp-millis/-micros long (millis if it has none)."""
+    timestamp column reads the writer's timestamp-millis/-micros long (millis if it has none).
+    Last, the DECODED marker (true once decoded)."""
     writer_fields = {f["name"]: f for f in writer.get("fields", [])}
-    fields = []
+    fields: list[dict[str, Any]] = []
     for col in spec.columns:
         if col.type == "timestamp":
             kind = _field_type(writer_fields.get(col.name))
@@ -125,6 +130,7 @@ def reader_schema(
             fields.append({"name": col.name, "type": ["null", avro_type], "default": None})
         else:
             fields.append({"name": col.name, "type": [avro_type, "null"], "default": default})
+    fields.append({"name": DECODED, "type": "boolean", "default": True})
     out = {"type": "record", "name": writer.get("name", "Record"), "fields": fields}
     if writer.get("namespace"):
         out["namespace"] = writer["namespace"]
@@ -198,7 +204,8 @@ def decode_stage(
     from pyspark.sql import functions as F
     from pyspark.sql.avro.functions import from_avro
 
-    struct = "struct<" + ", ".join(f"{c.name}: {SPARK_TYPES[c.type]}" for c in spec.columns) + ">"
+    types = [f"`{c.name}`: {SPARK_TYPES[c.type]}" for c in spec.columns]
+    struct = "struct<" + ", ".join([*types, f"`{DECODED}`: boolean"]) + ">"
     sid = F.col("_sid")
     payload = F.expr(f"substring(kafka_value, {HEADER + 1})")
     decoded: Column | None = None
@@ -237,7 +244,8 @@ def decode_stage(
     for w in writers.values():
         if w.reason is not None:
             wire = wire.when(sid == w.schema_id, F.lit(w.reason))
-    wire = wire.when(F.col("_a").isNull(), F.concat(F.lit("invalid_avro:"), sid.cast("string")))
+    failed = F.col("_a").isNull() | F.col("_a").getField(DECODED).isNull()
+    wire = wire.when(failed, F.concat(F.lit("invalid_avro:"), sid.cast("string")))
     df = df.select(
         *kafka_cols,
         sid.cast("int").alias("schema_version"),
