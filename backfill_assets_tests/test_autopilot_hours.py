@@ -336,6 +336,8 @@ def test_correction_moving_an_event_invalidates_both_hours(
     _assert_truth(world)
 
 
+# slow tier (CI runs it): ~65 s, to keep the default tier near 20 minutes.
+@pytest.mark.slow
 def test_lookback_hours_rerun_after_late_events(make_world: Callable[[], World]) -> None:
     """Item 5a: an event of hour 00 arrives in Kafka hour 06 (beyond the 3 h lateness). The
     rolling table (lookback 2 h) is re-run for hours 00, 01 and 02, not only 00."""

@@ -167,6 +167,8 @@ def test_server_properties_are_private_and_bound_to_loopback(connect_server: Ser
     assert Path(connect_server.server.log_path).parent.name == "logs"
 
 
+# slow tier (CI runs it): ~55 s; the cluster tier runs test_exactness over Connect as well.
+@pytest.mark.slow
 def test_backfill_over_connect_publishes_what_was_produced(
     connect_server: Server, stack_settings: Settings, iceberg_catalog: Catalog
 ) -> None:
@@ -218,6 +220,8 @@ def test_backfill_over_connect_publishes_what_was_produced(
     assert snap.summary.additional_properties.get("backfill.run-id") == out["raw"]["run_id"]
 
 
+# slow tier (CI runs it): ~20 s; test_avro_topic covers the same decode on the local engine.
+@pytest.mark.slow
 def test_avro_topic_over_connect_decodes_every_writer_version(
     connect_server: Server,
     stack_settings: Settings,
