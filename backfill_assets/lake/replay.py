@@ -74,13 +74,6 @@ QUARANTINE_RULES = (
     ("missing_or_invalid:<key field>", "tombstone without a key, or with a non-UTF-8 key"),
     ("(table row)", "any other tombstone (NULL value): is_tombstone, payload columns NULL"),
     ("empty_value", "a zero-length value (not a tombstone: Kafka deletes only on NULL)"),
-    ("invalid_utf8", "a value that is not UTF-8 text"),
-    (
-        "invalid_json",
-        "not exactly one JSON value: cut, trailing data, duplicate names, NaN, "
-        "nesting deeper than the parser's limit (1000)",
-    ),
-    ("not_json_object", "a JSON array, string, number, boolean or null"),
     ("not_avro_wire_format", "avro: shorter than 5 bytes or not starting with magic byte 0"),
     (
         "not_json_schema_wire_format",
@@ -90,8 +83,15 @@ QUARANTINE_RULES = (
     (
         "incompatible_schema:<id>",
         "avro: the writer schema does not resolve to the columns; json_schema: the id's schema "
-        "is not a JSON Schema (then the payload after the header: the json rules below)",
+        "is not a JSON Schema",
     ),
+    ("invalid_utf8", "a value (json_schema: the payload after its header) that is not UTF-8"),
+    (
+        "invalid_json",
+        "not exactly one JSON value: cut, trailing data, duplicate names, NaN, "
+        "nesting deeper than the parser's limit (1000)",
+    ),
+    ("not_json_object", "a JSON array, string, number, boolean or null"),
     ("invalid_avro:<id>", "avro: the bytes do not decode with their writer schema"),
     ("unknown_schema_version:<n|?>", "version not an upcaster's; ? if absent or not an integer"),
     ("missing_or_invalid:<column>", "a non-nullable column absent, null or of the wrong JSON kind"),
