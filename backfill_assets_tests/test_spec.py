@@ -162,11 +162,16 @@ def test_specs_are_frozen_and_copied_with_model_copy() -> None:
         ),
         (
             {"format": "protobuf"},
-            "format: 'protobuf' is not supported yet; allowed: ['json', 'avro']",
+            "format: 'protobuf' is not supported yet; allowed: ['json', 'avro', 'json_schema']",
         ),
-        ({"format": "json_schema"}, "format: 'json_schema' is not supported yet"),
-        ({"format": "xml"}, "format: 'xml' is not a format; allowed: ['json', 'avro']"),
-        ({"subject": "orders-value"}, "subject: only an avro topic reads a schema registry"),
+        (
+            {"format": "xml"},
+            "format: 'xml' is not a format; allowed: ['json', 'avro', 'json_schema']",
+        ),
+        (
+            {"subject": "orders-value"},
+            "subject: only an avro or json_schema topic reads a schema registry",
+        ),
         (
             {"colour": "blue"},
             f"topic 'orders': unknown field(s) ['colour']; allowed: {TOPIC_FIELDS}",
@@ -300,6 +305,23 @@ def test_avro_topic_reads_its_subject(tmp_path: Path) -> None:
     # The columns stay declared: they pin the table.
     assert [c.name for c in named.columns] == [c.name for c in spec.columns]
     assert load_specs(_save(tmp_path, {"topics": [_avro_topic()]}))[0].format == "avro"
+
+
+def test_json_schema_topic_reads_its_subject_and_keeps_json_versioning(tmp_path: Path) -> None:
+    """A json_schema topic: the subject defaults to `<topic>-value`; its payload is JSON read
+    by the json format's rules, so the shipped topic's versions and upcasters still apply."""
+    doc = yaml.safe_load(SPEC_PATH.read_text())
+    topic = {k: v for k, v in doc["topics"][0].items() if k != "tables"}
+    spec = TopicSpec.model_validate({**topic, "format": "json_schema"})
+    assert (spec.format, spec.subject, spec.versions) == ("json_schema", "orders-value", [1, 2])
+    named = TopicSpec.model_validate({**topic, "format": "json_schema", "subject": "o-value"})
+    assert named.subject == "o-value"
+    saved = _save(tmp_path, {"topics": [{**topic, "format": "json_schema"}]})
+    assert load_specs(saved)[0].format == "json_schema"
+    # Columns stay declared: a json_schema topic without them is refused.
+    no_columns = {k: v for k, v in topic.items() if k != "columns"}
+    error = _error(_save(tmp_path, {"topics": [{**no_columns, "format": "json_schema"}]}))
+    assert "missing required field 'columns'" in error
 
 
 @pytest.mark.parametrize(

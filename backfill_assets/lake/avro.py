@@ -161,9 +161,10 @@ def judge(spec: TopicSpec, sid: int, writer_text: str | None, latest: Any) -> Wr
     return Writer(sid, writer=writer_text, reader=reader)
 
 
-def writer_text(registry: SchemaRegistryClient, sid: int) -> str | None:
-    """The writer schema of ``sid`` (None if the registry has no such id); a registry that does
-    not answer raises :class:`RegistryUnavailable`."""
+def lookup(registry: SchemaRegistryClient, sid: int) -> tuple[str, str] | None:
+    """The schema type (``AVRO``, ``JSON``, ``PROTOBUF``) and text of ``sid`` (None if the
+    registry has no such id); a registry that does not answer raises
+    :class:`RegistryUnavailable`."""
     from confluent_kafka.schema_registry.error import SchemaRegistryError
 
     try:
@@ -174,9 +175,18 @@ def writer_text(registry: SchemaRegistryClient, sid: int) -> str | None:
         raise RegistryUnavailable(f"schema registry: schema id {sid}: {exc}") from exc
     except Exception as exc:
         raise RegistryUnavailable(f"schema registry: schema id {sid}: {exc}") from exc
-    if schema.schema_type not in (None, "AVRO"):
+    return str(schema.schema_type or "AVRO"), str(schema.schema_str)
+
+
+def writer_text(registry: SchemaRegistryClient, sid: int) -> str | None:
+    """The writer schema of ``sid`` (None if the registry has no such id); a registry that does
+    not answer raises :class:`RegistryUnavailable`."""
+    found = lookup(registry, sid)
+    if found is None:
+        return None
+    if found[0] != "AVRO":
         return json.dumps({"type": "not-avro"})  # judged incompatible
-    return str(schema.schema_str)
+    return found[1]
 
 
 def resolve(spec: TopicSpec, url: str, ids: Iterable[int]) -> dict[int, Writer]:

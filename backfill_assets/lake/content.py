@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from backfill_assets.lake import avro
+from backfill_assets.lake import avro, json_schema
 from backfill_assets.spec.model import ColumnSpec, TopicSpec
 from backfill_assets.spec.transforms import reference
 
@@ -159,6 +159,14 @@ class RecordDecoder:
             if registry_url is None:
                 raise ValueError(f"topic {spec.topic!r} is avro: its decode needs a registry URL")
             self.avro = avro.IndependentDecode(spec, registry_url)
+        # A json_schema topic's header: checked against the registry in plain Python.
+        self.wire = None
+        if spec.format == "json_schema":
+            if registry_url is None:
+                raise ValueError(
+                    f"topic {spec.topic!r} is json_schema: its decode needs a registry URL"
+                )
+            self.wire = json_schema.WireCheck(registry_url)
         self.columns = spec.columns
         self.references: dict[int, Callable[[reference.Payload], Any] | None] = {
             v: spec.decoder(v) for v in spec.versions
@@ -192,10 +200,20 @@ class RecordDecoder:
             return ROW, _row_hash(partition, offset, True, self.packers, {spec.key_field: key_text})
         if self.avro is not None:
             return self._avro(partition, offset, self.avro, value)
-        payload = _payload(value)
+        payload = self._json(value)
         if isinstance(payload, str):
             return QUARANTINED, payload
         return self._event(partition, offset, key_text, payload)
+
+    def _json(self, value: bytes) -> dict[str, Any] | str:
+        """The JSON object of a json (or json_schema, after its header) value, or the reason
+        it is quarantined."""
+        if self.wire is None or not value:
+            return _payload(value)
+        body = self.wire(value)
+        if isinstance(body, str):
+            return body
+        return _payload(body) if body else "invalid_json"  # the header alone: no JSON value
 
     def _avro(
         self, partition: int, offset: int, decode: avro.IndependentDecode, value: bytes

@@ -31,7 +31,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.lake import avro, identity, ledger
+from backfill_assets.lake import avro, identity, json_schema, ledger
 from backfill_assets.lake.archive import Archive
 from backfill_assets.lake.content import RecordDecoder
 from backfill_assets.lake.wap import SUMMARY_PREFIX, Branch, open_branch, ref_sql
@@ -74,16 +74,24 @@ QUARANTINE_RULES = (
     ("missing_or_invalid:<key field>", "tombstone without a key, or with a non-UTF-8 key"),
     ("(table row)", "any other tombstone (NULL value): is_tombstone, payload columns NULL"),
     ("empty_value", "a zero-length value (not a tombstone: Kafka deletes only on NULL)"),
-    ("invalid_utf8", "a value that is not UTF-8 text"),
+    ("not_avro_wire_format", "avro: shorter than 5 bytes or not starting with magic byte 0"),
+    (
+        "not_json_schema_wire_format",
+        "json_schema: shorter than 5 bytes or not starting with magic byte 0",
+    ),
+    ("unknown_schema_id:<id>", "avro, json_schema: the schema registry has no schema with that id"),
+    (
+        "incompatible_schema:<id>",
+        "avro: the writer schema does not resolve to the columns; json_schema: the id's schema "
+        "is not a JSON Schema",
+    ),
+    ("invalid_utf8", "a value (json_schema: the payload after its header) that is not UTF-8"),
     (
         "invalid_json",
         "not exactly one JSON value: cut, trailing data, duplicate names, NaN, "
         "nesting deeper than the parser's limit (1000)",
     ),
     ("not_json_object", "a JSON array, string, number, boolean or null"),
-    ("not_avro_wire_format", "avro: shorter than 5 bytes or not starting with magic byte 0"),
-    ("unknown_schema_id:<id>", "avro: the schema registry has no schema with that id"),
-    ("incompatible_schema:<id>", "avro: the writer schema does not resolve to the columns"),
     ("invalid_avro:<id>", "avro: the bytes do not decode with their writer schema"),
     ("unknown_schema_version:<n|?>", "version not an upcaster's; ? if absent or not an integer"),
     ("missing_or_invalid:<column>", "a non-nullable column absent, null or of the wrong JSON kind"),
@@ -415,7 +423,9 @@ def parse(
     rule for every kind of bad input, first match wins, is in :data:`QUARANTINE_RULES`; a
     tombstone (NULL value) is a row. An avro topic's values are decoded by
     :func:`backfill_assets.lake.avro.decode_stage` with ``writers`` (every schema id of the
-    window, :func:`backfill_assets.lake.avro.resolve`).
+    window, :func:`backfill_assets.lake.avro.resolve`). A json_schema topic's header is checked
+    against ``writers`` (:func:`backfill_assets.lake.json_schema.resolve`), then the payload
+    after it is read by the json rules.
 
     The JSON is read once per record by the strict JVM reader
     (:class:`~backfill_assets.spec.transforms.StrictReader`), which returns every field the
@@ -443,6 +453,13 @@ def parse(
             ],
         )
         reason = _reason(spec, _avro_rules())
+    elif spec.format == "json_schema":
+        # The header's id, carried through the JSON stages; the JSON is what follows it.
+        payload = F.expr(f"substring(value, {json_schema.HEADER + 1})")
+        df, kafka_cols = _json_stage(spec, raw.select("*", avro.id_column().alias("_sid")), payload)
+        body = F.expr(f"substring(kafka_value, {json_schema.HEADER + 1})")
+        rules = json_schema.wire_rules(writers or {})
+        reason = _reason(spec, rules + _json_rules(spec, F.col("schema_version"), body))
     else:
         df, kafka_cols = _json_stage(spec, raw)
         reason = _reason(spec, _json_rules(spec, F.col("schema_version")))
@@ -462,9 +479,12 @@ def parse(
     return _rows(parsed, col_names), _quarantine(parsed), parsed
 
 
-def _json_stage(spec: TopicSpec, raw: DataFrame) -> tuple[DataFrame, list[str]]:
+def _json_stage(
+    spec: TopicSpec, raw: DataFrame, payload: Column | None = None
+) -> tuple[DataFrame, list[str]]:
     """The Kafka columns, ``_invalid_json``, ``schema_version``, ``_object`` and the spec's
-    columns read from the JSON payload; and the names of the Kafka columns."""
+    columns read from the JSON payload (``payload``, default the Kafka value); and the names of
+    the Kafka columns (with ``_sid`` if ``raw`` has it)."""
     from pyspark.sql import functions as F
 
     from backfill_assets.spec.transforms import StrictReader, json_field, reading
@@ -480,7 +500,7 @@ def _json_stage(spec: TopicSpec, raw: DataFrame) -> tuple[DataFrame, list[str]]:
             version_expr = json_field(v, f"$.{spec.version_field}", "int")
         upcast = {ver: spec.upcaster(ver)(v) for ver in spec.versions}
         present = reader.field(f"$.{spec.key_field}", "present")
-    df, kafka_cols = _payload_stage(raw, reader)
+    df, kafka_cols = _payload_stage(raw, reader, payload)
     df = df.select(
         *kafka_cols,
         "_j",
@@ -512,12 +532,15 @@ def _json_stage(spec: TopicSpec, raw: DataFrame) -> tuple[DataFrame, list[str]]:
     return df, kafka_cols
 
 
-def _payload_stage(raw: DataFrame, reader: StrictReader) -> tuple[DataFrame, list[str]]:
+def _payload_stage(
+    raw: DataFrame, reader: StrictReader, payload: Column | None = None
+) -> tuple[DataFrame, list[str]]:
     """The Kafka columns, the strict reader's struct ``_j`` and the payload as VARIANT ``_v``
     (NULL unless the text is exactly one JSON value); and the names of the Kafka columns."""
     from pyspark.sql import functions as F
 
-    value_str = F.col("value").cast("string")
+    value_str = (F.col("value") if payload is None else payload).cast("string")
+    carried = [F.col("_sid")] if "_sid" in raw.columns else []
     # A field the JVM reader cannot read (an upcaster's own VARIANT expression) reads ``_v``,
     # the payload as VARIANT; unused, Spark prunes it and the text is parsed once.
     # Spark's JSON parser stops after the first value, so '{...} junk' or '{...}{...}' would
@@ -533,6 +556,7 @@ def _payload_stage(raw: DataFrame, reader: StrictReader) -> tuple[DataFrame, lis
         F.col("key").alias("kafka_key"),
         F.col("value").alias("kafka_value"),
         F.col("value").isNull().alias("is_tombstone"),
+        *carried,
         reader.call(raw.sparkSession, value_str).alias("_j"),
         F.try_parse_json(F.concat(F.lit("["), value_str, F.lit(f',"{_END}"]'))).alias("_w"),
     )
@@ -600,11 +624,15 @@ def _reason(spec: TopicSpec, payload_rules: list[tuple[Column, Column]]) -> Colu
     return reason
 
 
-def _json_rules(spec: TopicSpec, version: Column) -> list[tuple[Column, Column]]:
+def _json_rules(
+    spec: TopicSpec, version: Column, value: Column | None = None
+) -> list[tuple[Column, Column]]:
+    """The json payload's reasons; ``value``: the payload's bytes (default the Kafka value)."""
     from pyspark.sql import functions as F
 
+    value = F.col("kafka_value") if value is None else value
     return [
-        (~F.is_valid_utf8(F.col("kafka_value").cast("string")), F.lit("invalid_utf8")),
+        (~F.is_valid_utf8(value.cast("string")), F.lit("invalid_utf8")),
         (F.col("_invalid_json"), F.lit("invalid_json")),
         (~F.col("_object"), F.lit("not_json_object")),
         (
@@ -838,6 +866,8 @@ def replay_to_branch(
     writers = None
     if spec.format == "avro":
         writers = avro.resolve(spec, settings.schema_registry_url, contract.windows.schema_ids)
+    elif spec.format == "json_schema":
+        writers = json_schema.resolve(settings.schema_registry_url, contract.windows.schema_ids)
     rows, quarantine, parsed = parse(spec, raw, run_id, writers)
     try:
         props = audit_summary(contract, run_id)

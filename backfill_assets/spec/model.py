@@ -238,7 +238,9 @@ class CurrentSpec(_Spec):
     )
 
 
-FORMATS = ("json", "avro")
+FORMATS = ("json", "avro", "json_schema")
+# The formats whose values are in Confluent's wire format and name a registry subject.
+REGISTRY_FORMATS = ("avro", "json_schema")
 
 
 def _avro_fields(spec: TopicSpec) -> None:
@@ -257,14 +259,15 @@ class TopicSpec(_Spec):
     """A Kafka topic: how to read its records, its current state and its declared tables."""
 
     topic: str = Field(description="the Kafka topic (and the prefix of its tables)")
-    format: Literal["json", "avro"] = Field(
-        description="the record values' encoding: json, or avro (Confluent's wire format: "
-        "magic byte 0, the registry's 4-byte schema id, Avro binary)"
+    format: Literal["json", "avro", "json_schema"] = Field(
+        description="the record values' encoding: json; avro (Confluent's wire format: "
+        "magic byte 0, the registry's 4-byte schema id, Avro binary); or json_schema (the same "
+        "header, then UTF-8 JSON read by the json format's rules)"
     )
     subject: str | None = Field(
         default=None,
-        description="avro: the schema registry subject whose latest schema gives the fields' "
-        "defaults; default `<topic>-value`",
+        description="avro, json_schema: the schema registry subject (avro: its latest schema "
+        "gives the fields' defaults); default `<topic>-value`",
     )
     key_field: str = Field(description="the column whose value the Kafka key holds")
     event_id_field: str = Field(description="unique per event; duplicates are removed")
@@ -300,7 +303,7 @@ class TopicSpec(_Spec):
             "upcasters": data.get("upcasters") or {},
             "decoders": data.get("decoders") or {},
         }
-        if data.get("format") == "avro" and data.get("subject") is None:
+        if data.get("format") in REGISTRY_FORMATS and data.get("subject") is None:
             data["subject"] = f"{data.get('topic')}-value"
         if data.get("version_field") is None and data.get("latest_version") is None:
             data["latest_version"] = 1  # no version field: every record is read as the columns
@@ -333,10 +336,10 @@ class TopicSpec(_Spec):
     @field_validator("format", mode="before")
     @classmethod
     def _known_format(cls, value: Any) -> Any:
-        if value in ("protobuf", "json_schema"):
+        if value == "protobuf":
             raise ValueError(
-                f"{value!r} is not supported yet; allowed: {list(FORMATS)} (issue 28: Avro "
-                "through the schema registry is; Protobuf and JSON Schema come later)"
+                f"{value!r} is not supported yet; allowed: {list(FORMATS)} (issue 28: Avro and "
+                "JSON Schema through the schema registry are; Protobuf comes later)"
             )
         if value not in FORMATS:
             raise ValueError(f"{value!r} is not a format; allowed: {list(FORMATS)}")
@@ -347,8 +350,10 @@ class TopicSpec(_Spec):
         names = [c.name for c in self.columns]
         if self.format == "avro":
             _avro_fields(self)
-        elif self.subject is not None:
-            raise ValueError("subject: only an avro topic reads a schema registry subject")
+        elif self.subject is not None and self.format not in REGISTRY_FORMATS:
+            raise ValueError(
+                "subject: only an avro or json_schema topic reads a schema registry subject"
+            )
         for field in ("key_field", "event_id_field"):
             if getattr(self, field) not in names:
                 raise ValueError(f"{field}: {getattr(self, field)!r} is not one of the columns")
