@@ -334,7 +334,8 @@ def _replay_raw(
     )
     # Only an operator's run carries the tag (CLI --accept-fewer-records); sensors never do.
     outcome.accept_fewer_records = accepts_fewer_records(context.run.tags)
-    request = publish.audit_raw(session, spec, outcome)
+    results = checks.run_checks(session, spec, outcome)
+    request = publish.raw_request(session, spec, outcome, results)
     snapshot, total_rows, evaluations = yield from _audit_and_publish(
         context, iceberg, session, request, {"started_at": started}
     )

@@ -12,7 +12,6 @@ evaluates a partitioned check once (partition=None), so per-hour detail lives in
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -318,25 +317,52 @@ def _least(a: Any, b: Any) -> Any:
 
 def _figures_in_spark(both: DataFrame, counters: dict[str, Column] | None = None) -> dict[str, Any]:
     """:func:`table_figures` aggregated by Spark, so the driver receives one row per (hour,
-    reason, event hour), not per row. Two actions, run side by side (two threads): the repeats
-    (offsets seen more than once, event ids seen more than once and those whose copies differ)
-    and the figures.
+    reason, event hour), not per row. Two actions: the repeats (offsets seen more than once,
+    event ids seen more than once and those whose copies differ), then the figures.
 
     When no offset repeats, grouping by offset first changes nothing, so the figures are one
     aggregation by (hour, reason, event hour), which Spark combines before its shuffle. Only
     when an offset repeats are they grouped by offset first (the rule in
-    :func:`table_figures`), which shuffles every row: the first case is computed beside the
-    repeats, the second after them when they say so. ``counters`` (columns ``_c0``... of
+    :func:`table_figures`), which shuffles every row. ``counters`` (columns ``_c0``... of
     ``both``) are summed in the first case only: ``figures["contract"]``."""
-    with ThreadPoolExecutor(1, thread_name_prefix="check-repeats") as pool:
-        pending = pool.submit(_repeats, both)
-        collected = _figure_groups(both, len(counters or {}), repeated=False)
-        repeats = pending.result()
-    if repeats["offsets"]:
-        collected = _figure_groups(both, 0, repeated=True)
+    from pyspark.sql import functions as F
+
+    repeats = _repeats(both)
     counted = counters is not None and repeats["offsets"] == 0
     names = list(counters or {}) if counted else []
+    # Without a content sample every row is in it: its figures are the rows' own.
     sampled = "s_content" in both.columns
+    hashes = ["hash", "content", "s_content"] if sampled else ["hash", "content"]
+    both = both.select("*", *[half for name in hashes for half in _halves(F.col(name), name)])
+    sums = [f"{name}_{half}" for name in hashes for half in ("high", "low")]
+    s_row = [F.sum("s_row").alias("s_row")] if sampled else []
+    if repeats["offsets"] == 0:
+        groups = both.groupBy("h", "reason", "e").agg(
+            F.sum("is_row").alias("rows"),
+            *s_row,
+            F.sum(1 - F.col("is_row")).alias("quarantined"),
+            *[F.sum(c).alias(c) for c in sums],
+            F.lit(0).alias("repeated"),
+            *[F.sum(f"_c{i}").alias(f"_c{i}") for i in range(len(names))],
+        )
+    else:
+        per_offset = both.groupBy("kafka_partition", "kafka_offset").agg(
+            F.min("h").alias("h"),
+            F.count("*").alias("n"),
+            F.sum("is_row").alias("rows"),
+            *s_row,
+            *[F.sum(c).alias(c) for c in sums],
+            F.min("reason").alias("reason"),
+            F.min("e").alias("e"),
+        )
+        groups = per_offset.groupBy("h", "reason", "e").agg(
+            F.sum("rows").alias("rows"),
+            *[F.sum("s_row").alias("s_row")] if sampled else [],
+            F.sum(F.col("n") - F.col("rows")).alias("quarantined"),
+            *[F.sum(c).alias(c) for c in sums],
+            F.sum(F.col("n") - 1).alias("repeated"),
+        )
+    collected = groups.collect()
     figures = _summarise(
         (
             r["h"],
@@ -358,46 +384,6 @@ def _figures_in_spark(both: DataFrame, counters: dict[str, Column] | None = None
             {name: sum(int(r[f"_c{i}"] or 0) for r in collected) for i, name in enumerate(names)}
         )
     return figures
-
-
-def _figure_groups(both: DataFrame, counters: int, *, repeated: bool) -> list[Any]:
-    """The (hour, reason, event hour) groups of :func:`_figures_in_spark`, collected; with
-    ``repeated``, each (partition, offset) grouped first."""
-    from pyspark.sql import functions as F
-
-    # Without a content sample every row is in it: its figures are the rows' own.
-    sampled = "s_content" in both.columns
-    hashes = ["hash", "content", "s_content"] if sampled else ["hash", "content"]
-    both = both.select("*", *[half for name in hashes for half in _halves(F.col(name), name)])
-    sums = [f"{name}_{half}" for name in hashes for half in ("high", "low")]
-    s_row = [F.sum("s_row").alias("s_row")] if sampled else []
-    if not repeated:
-        groups = both.groupBy("h", "reason", "e").agg(
-            F.sum("is_row").alias("rows"),
-            *s_row,
-            F.sum(1 - F.col("is_row")).alias("quarantined"),
-            *[F.sum(c).alias(c) for c in sums],
-            F.lit(0).alias("repeated"),
-            *[F.sum(f"_c{i}").alias(f"_c{i}") for i in range(counters)],
-        )
-    else:
-        per_offset = both.groupBy("kafka_partition", "kafka_offset").agg(
-            F.min("h").alias("h"),
-            F.count("*").alias("n"),
-            F.sum("is_row").alias("rows"),
-            *s_row,
-            *[F.sum(c).alias(c) for c in sums],
-            F.min("reason").alias("reason"),
-            F.min("e").alias("e"),
-        )
-        groups = per_offset.groupBy("h", "reason", "e").agg(
-            F.sum("rows").alias("rows"),
-            *[F.sum("s_row").alias("s_row")] if sampled else [],
-            F.sum(F.col("n") - F.col("rows")).alias("quarantined"),
-            *[F.sum(c).alias(c) for c in sums],
-            F.sum(F.col("n") - 1).alias("repeated"),
-        )
-    return groups.collect()
 
 
 def _repeats(both: DataFrame) -> dict[str, int]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -104,43 +103,18 @@ class PublishRefused(NotPublished):
         self.error = error
 
 
-def audit_raw(session: Any, spec: TopicSpec, outcome: ReplayOutcome) -> PublishRequest:
-    """Run a raw run's blocking checks and build its publish request. The event hours of the
-    other versions of its event ids (:func:`derived.other_version_hours`) are read on a second
-    thread meanwhile: both only read the branch, and Spark runs their jobs side by side."""
-    contract = outcome.contract
-    with ThreadPoolExecutor(1, thread_name_prefix="other-version-hours") as pool:
-        hours = pool.submit(
-            derived.other_version_hours,
-            session,
-            spec,
-            outcome.branch.ident,
-            contract.start,
-            contract.end,
-        )
-        results = checks.run_checks(session, spec, outcome)
-        superseded = hours.result()
-    return raw_request(session, spec, outcome, results, superseded)
-
-
 def raw_request(
-    session: Any,
-    spec: TopicSpec,
-    outcome: ReplayOutcome,
-    results: list[CheckOutcome],
-    superseded: dict[datetime, set[datetime]] | None = None,
+    session: Any, spec: TopicSpec, outcome: ReplayOutcome, results: list[CheckOutcome]
 ) -> PublishRequest:
     """What a raw run publishes: its branch and checks, the snapshot summary of its contract,
     and the ledger rows of its windows (offsets, records, and the event hours each Kafka hour
-    held, which the late-data sensor reads instead of the rows). ``superseded`` is
-    :func:`derived.other_version_hours` of the branch, read here when not given. A rebase
-    copies the run's rows to a new branch from main and checks them again. ``record`` (the
-    audit row's run fields) is left to the caller."""
+    held, which the late-data sensor reads instead of the rows). A rebase copies the run's
+    rows to a new branch from main and checks them again. ``record`` (the audit row's run
+    fields) is left to the caller."""
     contract = outcome.contract
     assert contract.windows is not None
     cells = contract.windows
-    given = superseded
-    superseded = {}
+    superseded: dict[datetime, set[datetime]] = {}
 
     def touched() -> None:
         """The event hours of other versions of the run's event ids, from the branch the
@@ -158,10 +132,7 @@ def raw_request(
         touched()
         return outcome.branch, results
 
-    if given is None:
-        touched()
-    else:
-        superseded.update(given)
+    touched()
 
     return PublishRequest(
         table=outcome.branch.table,
