@@ -73,7 +73,7 @@ PHASE_SCAN = "[phase] windows.scan (librdkafka count + hash), all of it"
 PHASE_PUBLISH = "[phase] wap.publish, all of it"
 PHASES = (PHASE_CHECKS, PHASE_SCAN, PHASE_PUBLISH)
 AVRO_UNKNOWN_ID = 987_654  # --format avro: the id framing half of the malformed records
-HAND_GOAL = 0.7  # asset records/s >= 0.7x the hand-written Kafka -> from_json -> Iceberg job
+HAND_GOAL = 0.5  # issue 31: asset records/s >= 0.5x the hand-written Kafka -> Iceberg job
 BARE_GOAL = 0.3  # asset records/s >= 0.3x the bare Kafka -> Parquet copy
 
 
