@@ -160,13 +160,15 @@ def raw_request(
 
 
 def _one_version_each(session: Any, outcome: ReplayOutcome) -> bool:
-    """Whether no event id of the run's window can have another version on its branch: the
-    checks counted no repeated event id among the window's rows, and the branch's snapshot
-    holds no row outside the window (its ``total-records``, which never undercounts live
+    """Whether no event id of the run's window can have another version on its branch.
+
+    Two facts say so: the checks found no event id whose copies in the window differ
+    (identical copies, a producer's resends, share their event hour), and the branch holds no
+    row outside the window (its snapshot's ``total-records``, which never undercounts live
     rows, is the rows the checks counted in the window). A first ingest, or a rerun of every
     hour the table holds, then needs no read of the branch for
     :func:`derived.other_version_hours`: it is empty by definition."""
-    if outcome.resent:
+    if outcome.conflicting_ids:
         return False
     total = replay.branch_write_stats(session, outcome.branch).get("total-records")
     return total is not None and total == outcome.rows_written
