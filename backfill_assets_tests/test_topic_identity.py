@@ -252,6 +252,8 @@ def test_recreated_topic_is_refused_until_adopted(
     assert "NOT RE-READ" in out and hour1 in out
 
 
+# slow tier (CI runs it): ~46 s; added time in the default tier (JSON Schema topics) moved out.
+@pytest.mark.slow
 def test_stale_hour_says_why_in_gaps(
     stack_settings: Settings,
     spark_session: SparkSession,
