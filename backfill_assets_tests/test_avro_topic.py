@@ -353,3 +353,69 @@ def test_the_window_scan_collects_every_schema_id_of_the_wire_format() -> None:
         {HOUR0: {0: first}, HOUR0 + timedelta(hours=1): {0: second}},
     )
     assert windows.schema_ids == [5, 7, 4_000_000_000]
+
+
+@pytest.mark.slow
+def test_a_wrong_reader_default_in_spark_fails_decoded_content_and_main_is_unchanged(
+    stack_settings: Settings,
+    spark_session: SparkSession,
+    registry: LocalRegistry,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fault decoded_content exists to catch in an Avro topic: Spark decodes with a reader
+    schema that differs from the one the registry's schemas give (here the default of a field
+    the v1 writer lacks), so the bytes and the counts are right and only the values are wrong.
+    The independent decode (AvroDeserializer, its own registry client) sees it; nothing is
+    published."""
+    import dataclasses
+
+    from backfill_assets.lake import avro
+
+    topic = f"avro_default_{uuid.uuid4().hex[:8]}"
+    spec = _spec(topic)
+    _produce(
+        stack_settings, topic, _records(SchemaRegistryClient({"url": registry.url}), topic)[:3]
+    )
+    tags = {
+        "dagster/asset_partition_range_start": RANGE[0],
+        "dagster/asset_partition_range_end": RANGE[1],
+    }
+    table = f"lake.{stack_settings.catalog.namespace}.{spec.raw_table}"
+    real_resolve = avro.resolve
+
+    def wrong_default(spec: TopicSpec, url: str, ids: Any) -> dict[int, avro.Writer]:
+        writers = real_resolve(spec, url, ids)
+        for sid, w in writers.items():
+            if w.reader is not None:
+                reader = json.loads(w.reader)
+                for f in reader["fields"]:
+                    if f["name"] == "currency":
+                        f["default"] = "XXX"
+                writers[sid] = dataclasses.replace(w, reader=json.dumps(reader))
+        return writers
+
+    with dg.instance_for_test() as instance:
+        clean = dg.materialize(
+            [build_raw_asset(spec)], resources=RESOURCES, instance=instance, tags=tags
+        )
+        assert clean.success
+        snapshot = f"SELECT snapshot_id FROM {table}.refs WHERE name = 'main'"
+        before = spark_session.sql(snapshot).collect()
+        rows_before = sorted(map(tuple, spark_session.table(table).drop("ingest_run_id").collect()))
+        with monkeypatch.context() as mp:
+            mp.setattr(avro, "resolve", wrong_default)
+            wrong = dg.materialize(
+                [build_raw_asset(spec)],
+                resources=RESOURCES,
+                instance=instance,
+                tags=tags,
+                raise_on_error=False,
+            )
+    assert not wrong.success
+    checks = {e.check_name: e for e in wrong.get_asset_check_evaluations()}
+    assert {name for name, e in checks.items() if not e.passed} == {"decoded_content"}
+    assert "content differs" in str(checks["decoded_content"].description)
+    assert spark_session.sql(snapshot).collect() == before
+    rows_after = sorted(map(tuple, spark_session.table(table).drop("ingest_run_id").collect()))
+    assert rows_after == rows_before
+    assert checks["decoded_content"].metadata["hours_that_differ"].value == [HOUR0.isoformat()]
