@@ -39,6 +39,7 @@ from backfill_assets.stack import catalog
 from backfill_assets.stack.catalog import CatalogClient
 from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support.runs import materialize_range
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -73,15 +74,8 @@ def world(stack_settings: Settings, spark_session: SparkSession) -> Iterator[Wor
 
 
 def _backfill(world: World, spec: TopicSpec | None = None) -> dg.ExecuteInProcessResult:
-    return dg.materialize(
-        [build_raw_asset(spec or world.spec)],
-        resources=RESOURCES,
-        instance=world.instance,
-        tags={
-            "dagster/asset_partition_range_start": RANGE[0],
-            "dagster/asset_partition_range_end": RANGE[1],
-        },
-        raise_on_error=False,
+    return materialize_range(
+        [build_raw_asset(spec or world.spec)], world.instance, *RANGE, raise_on_error=False
     )
 
 

@@ -30,6 +30,7 @@ from backfill_assets.stack import catalog
 from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import Settings
 from backfill_assets_tests.support import hostile
+from backfill_assets_tests.support.runs import materialize_range
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -89,15 +90,7 @@ def _tick(world: World, sensor: dg.SensorDefinition | None = None) -> list[Reque
 
 def _run(world: World, keys: list[str], first: str, last: str) -> str:
     selection = [a for a in world.assets if a.key.to_user_string() in keys]
-    result = dg.materialize(
-        selection,
-        resources=RESOURCES,
-        instance=world.instance,
-        tags={
-            "dagster/asset_partition_range_start": first,
-            "dagster/asset_partition_range_end": last,
-        },
-    )
+    result = materialize_range(selection, world.instance, first, last)
     assert result.success
     return result.run_id
 

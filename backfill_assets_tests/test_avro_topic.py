@@ -16,23 +16,27 @@ import json
 import struct
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 import pytest
-from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from backfill_assets.defs.assets import build_raw_asset
-from backfill_assets.defs.definitions import RESOURCES
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.registry import LocalRegistry
 from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support import registry_topics
+from backfill_assets_tests.support.registry_topics import World
+from backfill_assets_tests.support.runs import (
+    WITH_EVENT_TIME_MS,
+    dicts_by_offset,
+    materialize_range,
+    rows_by_offset,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -81,17 +85,6 @@ def _spec(topic: str) -> TopicSpec:
             ],
         }
     )
-
-
-@dataclass
-class World:
-    spec: TopicSpec
-    result: dg.ExecuteInProcessResult
-    # (partition, offset) -> what was produced: a row's expected values, or "q:<reason>"
-    expected: dict[tuple[int, int], Any]
-    values: dict[tuple[int, int], bytes | None]
-    rows: dict[tuple[int, int], dict[str, Any]]
-    quarantine: dict[tuple[int, int], Any]
 
 
 def _framed(schema_id: int, schema: str, value: dict[str, Any]) -> bytes:
@@ -169,23 +162,8 @@ def _records(client: SchemaRegistryClient, topic: str) -> list[tuple[bytes | Non
 
 
 def _produce(settings: Settings, topic: str, records: list[tuple[bytes | None, Any]]) -> list[int]:
-    admin = AdminClient(dict(settings.kafka.client_config()))
-    futures = admin.create_topics([NewTopic(topic, 1, 1, config={"retention.ms": "-1"})])
-    futures[topic].result(timeout=30)
-    producer = Producer({**settings.kafka.client_config(), "enable.idempotence": True})
-    offsets: list[int] = []
-    for i, (value, _) in enumerate(records):
-        ts = int((HOUR0 + timedelta(minutes=2, seconds=i)).timestamp() * 1000)
-        producer.produce(
-            topic,
-            value=value,
-            key=f"o{i + 1}".encode(),
-            timestamp=ts,
-            on_delivery=lambda err, msg: offsets.append(-1 if err else msg.offset() or 0),
-        )
-    assert producer.flush(30) == 0
-    assert sorted(offsets) == list(range(len(records)))
-    return sorted(offsets)
+    """The records produced at this module's hour (test_connect reuses it)."""
+    return registry_topics.produce(settings, topic, records, HOUR0)
 
 
 @pytest.fixture(scope="module")
@@ -198,55 +176,24 @@ def world(
     offsets = _produce(stack_settings, topic, records)
     ns = stack_settings.catalog.namespace
     with dg.instance_for_test() as instance:
-        result = dg.materialize(
-            [build_raw_asset(spec)],
-            resources=RESOURCES,
-            instance=instance,
-            tags={
-                "dagster/asset_partition_range_start": RANGE[0],
-                "dagster/asset_partition_range_end": RANGE[1],
-            },
-            raise_on_error=False,
-        )
-        table = spark_session.table(f"lake.{ns}.{spec.raw_table}")
-        rows = {
-            (r["kafka_partition"], r["kafka_offset"]): r.asDict()
-            for r in table.selectExpr("*", "unix_millis(event_time) AS event_time_ms").collect()
-        }
-        quarantine = {
-            (r["kafka_partition"], r["kafka_offset"]): r
-            for r in spark_session.table(f"lake.{ns}.{spec.quarantine_table}").collect()
-        }
+        result = materialize_range([build_raw_asset(spec)], instance, *RANGE, raise_on_error=False)
+        rows = dicts_by_offset(spark_session, f"lake.{ns}.{spec.raw_table}", *WITH_EVENT_TIME_MS)
+        quarantine = rows_by_offset(spark_session, f"lake.{ns}.{spec.quarantine_table}")
     expected = {(0, o): want for o, (_, want) in zip(offsets, records, strict=True)}
     values = {(0, o): value for o, (value, _) in zip(offsets, records, strict=True)}
     yield World(spec, result, expected, values, rows, quarantine)
 
 
 def test_run_publishes_with_every_check_green(world: World) -> None:
-    assert world.result.success, [
-        e.event_specific_data for e in world.result.all_events if e.is_failure
-    ]
-    checks = {e.check_name: e.passed for e in world.result.get_asset_check_evaluations()}
-    assert checks and all(checks.values()), checks
-    assert "decoded_content" in checks
+    registry_topics.assert_publishes_with_every_check_green(world)
 
 
 def test_rows_equal_what_was_produced_across_three_versions(world: World) -> None:
-    want_rows = {k: v for k, v in world.expected.items() if isinstance(v, dict)}
-    assert set(world.rows) == set(want_rows)
-    for key, values in want_rows.items():
-        got, want = world.rows[key], {"is_tombstone": False, **values}
-        assert {name: got[name] for name in want} == want, key
+    registry_topics.assert_rows_equal_what_was_produced(world)
 
 
 def test_bad_records_are_quarantined_with_reason_offsets_and_bytes(world: World) -> None:
-    want_q = {k: v[2:] for k, v in world.expected.items() if isinstance(v, str)}
-    assert {k: r["reason"] for k, r in world.quarantine.items()} == want_q
-    for key, r in world.quarantine.items():
-        assert bytes(r["kafka_value"]) == world.values[key]
-    # Nothing lost: every offset is a row or a quarantine row, never both.
-    assert set(world.rows) | set(world.quarantine) == set(world.expected)
-    assert not set(world.rows) & set(world.quarantine)
+    registry_topics.assert_bad_records_quarantined(world)
 
 
 def test_each_writer_is_judged_against_the_columns_reader_schema() -> None:
@@ -299,21 +246,13 @@ def test_registry_outage_fails_the_run_and_the_retry_publishes(
     spec = _spec(topic)
     records = _records(SchemaRegistryClient({"url": registry.url}), topic)[:3]
     _produce(stack_settings, topic, records)
-    tags = {
-        "dagster/asset_partition_range_start": RANGE[0],
-        "dagster/asset_partition_range_end": RANGE[1],
-    }
     table = f"lake.{stack_settings.catalog.namespace}.{spec.raw_table}"
     with dg.instance_for_test() as instance:
         # Nothing answers there: the run fails, naming the registry, and publishes nothing.
         with monkeypatch.context() as mp:
             mp.setenv("BACKFILL_SCHEMA_REGISTRY_URL", f"http://127.0.0.1:{free_port()}")
-            failed = dg.materialize(
-                [build_raw_asset(spec)],
-                resources=RESOURCES,
-                instance=instance,
-                tags=tags,
-                raise_on_error=False,
+            failed = materialize_range(
+                [build_raw_asset(spec)], instance, *RANGE, raise_on_error=False
             )
         assert not failed.success
         errors = " ".join(
@@ -322,9 +261,7 @@ def test_registry_outage_fails_the_run_and_the_retry_publishes(
         assert "schema registry" in errors and "RegistryUnavailable" in errors, errors[:2000]
         if spark_session.catalog.tableExists(table):
             assert spark_session.table(table).count() == 0
-        retried = dg.materialize(
-            [build_raw_asset(spec)], resources=RESOURCES, instance=instance, tags=tags
-        )
+        retried = materialize_range([build_raw_asset(spec)], instance, *RANGE)
         assert retried.success
         assert spark_session.table(table).count() == 3
 

@@ -68,10 +68,11 @@ from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartit
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from backfill_assets.defs.assets import build_raw_asset
-from backfill_assets.defs.definitions import RESOURCES, SPECS
+from backfill_assets.defs.definitions import SPECS
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support.runs import materialize_range, rows_by_offset
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -314,24 +315,9 @@ def world(stack_settings: Settings, spark_session: SparkSession) -> Iterator[Wor
     _produce(stack_settings, topic, recs)
     ns = stack_settings.catalog.namespace
     with dg.instance_for_test() as instance:
-        result = dg.materialize(
-            [build_raw_asset(spec)],
-            resources=RESOURCES,
-            instance=instance,
-            tags={
-                "dagster/asset_partition_range_start": RANGE[0],
-                "dagster/asset_partition_range_end": RANGE[1],
-            },
-            raise_on_error=False,
-        )
-        rows = {
-            (r["kafka_partition"], r["kafka_offset"]): r
-            for r in spark_session.table(f"lake.{ns}.{spec.raw_table}").collect()
-        }
-        quarantine = {
-            (r["kafka_partition"], r["kafka_offset"]): r
-            for r in spark_session.table(f"lake.{ns}.{spec.quarantine_table}").collect()
-        }
+        result = materialize_range([build_raw_asset(spec)], instance, *RANGE, raise_on_error=False)
+        rows = rows_by_offset(spark_session, f"lake.{ns}.{spec.raw_table}")
+        quarantine = rows_by_offset(spark_session, f"lake.{ns}.{spec.quarantine_table}")
         yield World(spec, recs, result, rows, quarantine)
 
 

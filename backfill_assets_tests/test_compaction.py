@@ -31,13 +31,14 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 
 from backfill_assets.defs.assets import build_raw_asset
-from backfill_assets.defs.definitions import RESOURCES, SPECS
+from backfill_assets.defs.definitions import SPECS
 from backfill_assets.demo.generator import GeneratorConfig, generate
 from backfill_assets.lake import audit, ledger
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.catalog import CatalogClient
 from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support.runs import materialize_range
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -104,16 +105,13 @@ class World:
 
 
 def _run(world: World, first: int, last: int, tags: dict[str, str] | None = None) -> Any:
-    return dg.materialize(
+    return materialize_range(
         [build_raw_asset(world.spec)],
-        resources=RESOURCES,
-        instance=world.instance,
-        tags={
-            "dagster/asset_partition_range_start": key(first),
-            "dagster/asset_partition_range_end": key(last),
-            **(tags or {}),
-        },
+        world.instance,
+        key(first),
+        key(last),
         raise_on_error=False,
+        tags=tags,
     )
 
 

@@ -31,7 +31,7 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from backfill_assets.defs.assets import build_raw_asset
-from backfill_assets.defs.definitions import RESOURCES, SPECS
+from backfill_assets.defs.definitions import SPECS
 from backfill_assets.demo.generator import GeneratorConfig, generate
 from backfill_assets.lake import content
 from backfill_assets.lake.replay import TIMESTAMP_RANGE
@@ -40,6 +40,7 @@ from backfill_assets.spec.model import TopicSpec
 from backfill_assets.spec.transforms import reference
 from backfill_assets.spec.transforms.orders import upcast_v2
 from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support.runs import materialize_range
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, SparkSession
@@ -56,23 +57,10 @@ def upcast_v2_amount_times_ten(v: Column) -> dict[str, Column]:
     return out
 
 
-def _label(hour: datetime) -> str:
-    return hour.strftime("%Y-%m-%d-%H:%M")
-
-
 def _materialize(
     spec: TopicSpec, instance: dg.DagsterInstance, first: datetime, last: datetime
 ) -> dg.ExecuteInProcessResult:
-    return dg.materialize(
-        [build_raw_asset(spec)],
-        resources=RESOURCES,
-        instance=instance,
-        tags={
-            "dagster/asset_partition_range_start": _label(first),
-            "dagster/asset_partition_range_end": _label(last),
-        },
-        raise_on_error=False,
-    )
+    return materialize_range([build_raw_asset(spec)], instance, first, last, raise_on_error=False)
 
 
 def _checks(result: dg.ExecuteInProcessResult) -> dict[str, Any]:

@@ -28,11 +28,11 @@ from confluent_kafka import Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from backfill_assets.defs.assets import build_topic_assets
-from backfill_assets.defs.definitions import RESOURCES
 from backfill_assets.demo.generator import TOPIC_CONFIGS
 from backfill_assets.spec.loader import load_specs
 from backfill_assets.spec.model import SpecError, TopicSpec
 from backfill_assets.stack.settings import REPO_ROOT, Settings
+from backfill_assets_tests.support.runs import materialize_range
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -400,16 +400,7 @@ class World:
 def _materialize(
     assets: list[dg.AssetsDefinition], instance: dg.DagsterInstance, first: str, last: str
 ) -> dg.ExecuteInProcessResult:
-    return dg.materialize(
-        assets,
-        resources=RESOURCES,
-        instance=instance,
-        tags={
-            "dagster/asset_partition_range_start": first,
-            "dagster/asset_partition_range_end": last,
-        },
-        raise_on_error=False,
-    )
+    return materialize_range(assets, instance, first, last, raise_on_error=False)
 
 
 @pytest.fixture(scope="module")

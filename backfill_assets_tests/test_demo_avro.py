@@ -23,7 +23,6 @@ import pytest
 import yaml
 
 from backfill_assets.defs.assets import build_raw_asset
-from backfill_assets.defs.definitions import RESOURCES
 from backfill_assets.demo.generator import (
     GeneratorConfig,
     GroundTruth,
@@ -34,6 +33,12 @@ from backfill_assets.demo.generator import (
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.registry import LocalRegistry
 from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support.runs import (
+    WITH_EVENT_TIME_MS,
+    dicts_by_offset,
+    materialize_range,
+    rows_by_offset,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -103,25 +108,9 @@ def world(
     truth = generate(settings, config)
     ns = stack_settings.catalog.namespace
     with dg.instance_for_test() as instance:
-        result = dg.materialize(
-            [build_raw_asset(spec)],
-            resources=RESOURCES,
-            instance=instance,
-            tags={
-                "dagster/asset_partition_range_start": RANGE[0],
-                "dagster/asset_partition_range_end": RANGE[1],
-            },
-            raise_on_error=False,
-        )
-    table = spark_session.table(f"lake.{ns}.{spec.raw_table}")
-    rows = {
-        (r["kafka_partition"], r["kafka_offset"]): r.asDict()
-        for r in table.selectExpr("*", "unix_millis(event_time) AS event_time_ms").collect()
-    }
-    quarantine = {
-        (r["kafka_partition"], r["kafka_offset"]): r
-        for r in spark_session.table(f"lake.{ns}.{spec.quarantine_table}").collect()
-    }
+        result = materialize_range([build_raw_asset(spec)], instance, *RANGE, raise_on_error=False)
+    rows = dicts_by_offset(spark_session, f"lake.{ns}.{spec.raw_table}", *WITH_EVENT_TIME_MS)
+    quarantine = rows_by_offset(spark_session, f"lake.{ns}.{spec.quarantine_table}")
     ids = avro.register(registry.url, topic)  # already registered: the same ids
     yield World(result, truth, ids, _at_offsets(truth, plan), rows, quarantine)
 

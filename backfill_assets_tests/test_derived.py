@@ -13,11 +13,12 @@ import dagster as dg
 import pytest
 
 from backfill_assets.defs.assets import build_topic_assets
-from backfill_assets.defs.definitions import RESOURCES, SPECS
+from backfill_assets.defs.definitions import SPECS
 from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate, plan_events
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support.runs import materialize_range
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -38,14 +39,11 @@ class World:
 
 def _run(world: World, keys: list[str], first: str, last: str) -> dg.ExecuteInProcessResult:
     selection = [a for a in world.assets if a.key.path[-1] in keys or a.key.path[0] in keys]
-    return dg.materialize(
+    return materialize_range(
         selection,
-        resources=RESOURCES,
-        instance=world.instance,
-        tags={
-            "dagster/asset_partition_range_start": first,
-            "dagster/asset_partition_range_end": last,
-        },
+        world.instance,
+        first,
+        last,
         raise_on_error=False,
         selection=[a.key for a in selection],
     )

@@ -36,6 +36,7 @@ from backfill_assets.demo.generator import TOPIC_CONFIGS
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support.runs import materialize_range
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -119,14 +120,8 @@ def _tick(world: World) -> tuple[list[dg.RunRequest], list[dg.AssetMaterializati
 
 
 def _run(world: World, keys: list[dg.AssetKey], first: int, last: int) -> None:
-    result = dg.materialize(
-        [a for a in world.assets if a.key in keys],
-        resources=RESOURCES,
-        instance=world.instance,
-        tags={
-            "dagster/asset_partition_range_start": _h(first),
-            "dagster/asset_partition_range_end": _h(last),
-        },
+    result = materialize_range(
+        [a for a in world.assets if a.key in keys], world.instance, _h(first), _h(last)
     )
     assert result.success
 

@@ -28,7 +28,7 @@ import dagster as dg
 import pytest
 
 from backfill_assets.defs.assets import build_topic_assets
-from backfill_assets.defs.definitions import RESOURCES, SPECS
+from backfill_assets.defs.definitions import SPECS
 from backfill_assets.lake import ledger
 from backfill_assets.lake.windows import HOUR, scan
 from backfill_assets.spec.declared import renamed
@@ -38,6 +38,7 @@ from backfill_assets.stack.faults import branch_mutation
 from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import Settings
 from backfill_assets_tests.support import hostile
+from backfill_assets_tests.support.runs import materialize_range
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -46,10 +47,6 @@ START = datetime(2026, 3, 2, tzinfo=UTC)
 HOURS = [START + timedelta(hours=i) for i in range(8)]
 # Columns a re-run may change: who wrote the row. Everything else must be identical.
 RUN_COLUMNS = {"ingest_run_id"}
-
-
-def _label(hour: datetime) -> str:
-    return hour.strftime("%Y-%m-%d-%H:%M")
 
 
 @dataclasses.dataclass
@@ -72,15 +69,8 @@ def _materialize(
     assets: list[dg.AssetsDefinition], keys: list[str], first: datetime, last: datetime
 ) -> dg.ExecuteInProcessResult:
     selection = [a for a in assets if a.key.path[-1] in keys or a.key.path[0] in keys]
-    return dg.materialize(
-        selection,
-        resources=RESOURCES,
-        tags={
-            "dagster/asset_partition_range_start": _label(first),
-            "dagster/asset_partition_range_end": _label(last),
-        },
-        raise_on_error=False,
-        selection=[a.key for a in selection],
+    return materialize_range(
+        selection, None, first, last, raise_on_error=False, selection=[a.key for a in selection]
     )
 
 

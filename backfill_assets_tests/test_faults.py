@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from backfill_assets.lake import wap
+from backfill_assets.lake.detect import PARTITION_FMT
 from backfill_assets.spec.declared import renamed
 from backfill_assets_tests.support import broker_fault, connect_server, warehouse
 
@@ -66,7 +67,6 @@ SEED = 23
 RUN_TIMEOUT_S = 480
 
 pytestmark = pytest.mark.faults
-PARTITION_FMT = "%Y-%m-%d-%H:%M"
 
 
 def _hour(i: int) -> datetime:
@@ -168,18 +168,10 @@ def _materialize_here(spec: TopicSpec, first: int, last: int) -> None:
     import dagster as dg
 
     from backfill_assets.defs.assets import build_raw_asset
-    from backfill_assets.defs.definitions import RESOURCES
+    from backfill_assets_tests.support.runs import materialize_range
 
     with dg.instance_for_test() as instance:
-        result = dg.materialize(
-            [build_raw_asset(spec)],
-            resources=RESOURCES,
-            instance=instance,
-            tags={
-                "dagster/asset_partition_range_start": f"{_hour(first):{PARTITION_FMT}}",
-                "dagster/asset_partition_range_end": f"{_hour(last):{PARTITION_FMT}}",
-            },
-        )
+        result = materialize_range([build_raw_asset(spec)], instance, _hour(first), _hour(last))
     assert result.success
 
 

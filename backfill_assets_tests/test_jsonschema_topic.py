@@ -16,23 +16,27 @@ import json
 import struct
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 import pytest
-from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from confluent_kafka.schema_registry.json_schema import JSONSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from backfill_assets.defs.assets import build_raw_asset
-from backfill_assets.defs.definitions import RESOURCES
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.registry import LocalRegistry
 from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support import registry_topics
+from backfill_assets_tests.support.registry_topics import World
+from backfill_assets_tests.support.runs import (
+    WITH_EVENT_TIME_MS,
+    dicts_by_offset,
+    materialize_range,
+    rows_by_offset,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -82,17 +86,6 @@ def _spec(topic: str) -> TopicSpec:
             ],
         }
     )
-
-
-@dataclass
-class World:
-    spec: TopicSpec
-    result: dg.ExecuteInProcessResult
-    # (partition, offset) -> what was produced: a row's expected values, or "q:<reason>"
-    expected: dict[tuple[int, int], Any]
-    values: dict[tuple[int, int], bytes | None]
-    rows: dict[tuple[int, int], dict[str, Any]]
-    quarantine: dict[tuple[int, int], Any]
 
 
 def _framed(schema_id: int, payload: bytes) -> bytes:
@@ -155,88 +148,38 @@ def _records(client: SchemaRegistryClient, topic: str) -> list[tuple[bytes | Non
     ]
 
 
-def _produce(settings: Settings, topic: str, records: list[tuple[bytes | None, Any]]) -> list[int]:
-    admin = AdminClient(dict(settings.kafka.client_config()))
-    futures = admin.create_topics([NewTopic(topic, 1, 1, config={"retention.ms": "-1"})])
-    futures[topic].result(timeout=30)
-    producer = Producer({**settings.kafka.client_config(), "enable.idempotence": True})
-    offsets: list[int] = []
-    for i, (value, _) in enumerate(records):
-        ts = int((HOUR0 + timedelta(minutes=2, seconds=i)).timestamp() * 1000)
-        producer.produce(
-            topic,
-            value=value,
-            key=f"o{i + 1}".encode(),
-            timestamp=ts,
-            on_delivery=lambda err, msg: offsets.append(-1 if err else msg.offset() or 0),
-        )
-    assert producer.flush(30) == 0
-    assert sorted(offsets) == list(range(len(records)))
-    return sorted(offsets)
-
-
 @pytest.fixture(scope="module")
 def world(
     stack_settings: Settings, spark_session: SparkSession, registry: LocalRegistry
 ) -> Iterator[World]:
     topic = f"jsonschema_{uuid.uuid4().hex[:8]}"
     records = _records(SchemaRegistryClient({"url": registry.url}), topic)
-    offsets = _produce(stack_settings, topic, records)
+    offsets = registry_topics.produce(stack_settings, topic, records, HOUR0)
     ns = stack_settings.catalog.namespace
     with dg.instance_for_test() as instance:
         spec = _spec(topic)
-        result = dg.materialize(
-            [build_raw_asset(spec)],
-            resources=RESOURCES,
-            instance=instance,
-            tags={
-                "dagster/asset_partition_range_start": RANGE[0],
-                "dagster/asset_partition_range_end": RANGE[1],
-            },
-            raise_on_error=False,
-        )
+        result = materialize_range([build_raw_asset(spec)], instance, *RANGE, raise_on_error=False)
         rows: dict[tuple[int, int], dict[str, Any]] = {}
         quarantine: dict[tuple[int, int], Any] = {}
-        if spark_session.catalog.tableExists(f"lake.{ns}.{spec.raw_table}"):
-            table = spark_session.table(f"lake.{ns}.{spec.raw_table}")
-            rows = {
-                (r["kafka_partition"], r["kafka_offset"]): r.asDict()
-                for r in table.selectExpr("*", "unix_millis(event_time) AS event_time_ms").collect()
-            }
-            quarantine = {
-                (r["kafka_partition"], r["kafka_offset"]): r
-                for r in spark_session.table(f"lake.{ns}.{spec.quarantine_table}").collect()
-            }
+        raw = f"lake.{ns}.{spec.raw_table}"
+        if spark_session.catalog.tableExists(raw):
+            rows = dicts_by_offset(spark_session, raw, *WITH_EVENT_TIME_MS)
+            quarantine = rows_by_offset(spark_session, f"lake.{ns}.{spec.quarantine_table}")
     expected = {(0, o): want for o, (_, want) in zip(offsets, records, strict=True)}
     values = {(0, o): value for o, (value, _) in zip(offsets, records, strict=True)}
     yield World(spec, result, expected, values, rows, quarantine)
 
 
 def test_run_publishes_with_every_check_green(world: World) -> None:
-    assert world.result.success, [
-        e.event_specific_data for e in world.result.all_events if e.is_failure
-    ]
-    checks = {e.check_name: e.passed for e in world.result.get_asset_check_evaluations()}
-    assert checks and all(checks.values()), checks
-    assert "decoded_content" in checks
+    registry_topics.assert_publishes_with_every_check_green(world)
 
 
 def test_rows_equal_what_was_produced(world: World) -> None:
-    want_rows = {k: v for k, v in world.expected.items() if isinstance(v, dict)}
-    assert set(world.rows) == set(want_rows)
-    for key, values in want_rows.items():
-        got, want = world.rows[key], {"is_tombstone": False, **values}
-        assert {name: got[name] for name in want} == want, key
+    registry_topics.assert_rows_equal_what_was_produced(world)
 
 
 def test_bad_records_are_quarantined_with_reason_offsets_and_bytes(world: World) -> None:
-    want_q = {k: v[2:] for k, v in world.expected.items() if isinstance(v, str)}
-    assert {k: r["reason"] for k, r in world.quarantine.items()} == want_q
-    for key, r in world.quarantine.items():
-        assert bytes(r["kafka_value"]) == world.values[key]
-    # Nothing lost: every offset read is a row or a quarantine row, never both.
-    assert set(world.rows) | set(world.quarantine) == set(world.expected)
-    assert not set(world.rows) & set(world.quarantine)
+    registry_topics.assert_bad_records_quarantined(world)
 
 
 def test_the_independent_decode_agrees_without_spark(world: World, registry: LocalRegistry) -> None:

@@ -27,6 +27,7 @@ from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog
 from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import MaintenanceSettings, Settings
+from backfill_assets_tests.support.runs import materialize_range
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
@@ -67,16 +68,7 @@ class World:
 def _run(
     world: World, assets: list[dg.AssetsDefinition], first: str, last: str
 ) -> dg.ExecuteInProcessResult:
-    return dg.materialize(
-        assets,
-        resources=RESOURCES,
-        instance=world.instance,
-        tags={
-            "dagster/asset_partition_range_start": first,
-            "dagster/asset_partition_range_end": last,
-        },
-        raise_on_error=False,
-    )
+    return materialize_range(assets, world.instance, first, last, raise_on_error=False)
 
 
 def _raw_current(world: World) -> list[dg.AssetsDefinition]:

@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 import pytest
 
-from backfill_assets.defs.definitions import ASSETS, RESOURCES
+from backfill_assets.defs.definitions import ASSETS
 from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate
 from backfill_assets.lake.replay import checksum_expr
 from backfill_assets.lake.wap import ref_snapshot_id
 from backfill_assets.stack.settings import REPO_ROOT, Settings
+from backfill_assets_tests.support.runs import materialize_range
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
@@ -129,15 +130,7 @@ def _spec() -> Any:
 
 def _materialize(instance: dg.DagsterInstance, first: str, last: str) -> str:
     raw = [a for a in ASSETS if a.key == dg.AssetKey(["raw", "orders"])]
-    result = dg.materialize(
-        raw,
-        resources=RESOURCES,
-        instance=instance,
-        tags={
-            "dagster/asset_partition_range_start": first,
-            "dagster/asset_partition_range_end": last,
-        },
-    )
+    result = materialize_range(raw, instance, first, last)
     return result.run_id
 
 

@@ -19,7 +19,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from backfill_assets.defs.assets import build_raw_asset
-from backfill_assets.defs.definitions import RESOURCES, SPECS
+from backfill_assets.defs.definitions import SPECS
 from backfill_assets.demo.generator import (
     GeneratorConfig,
     GroundTruth,
@@ -30,6 +30,7 @@ from backfill_assets.demo.generator import (
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support.runs import materialize_range
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -69,16 +70,7 @@ def world(stack_settings: Settings, spark_session: SparkSession) -> Iterator[Wor
 
 def _backfill(world: World, spec: TopicSpec | None = None) -> dg.ExecuteInProcessResult:
     asset = build_raw_asset(spec or world.spec)
-    return dg.materialize(
-        [asset],
-        resources=RESOURCES,
-        instance=world.instance,
-        tags={
-            "dagster/asset_partition_range_start": RANGE[0],
-            "dagster/asset_partition_range_end": RANGE[1],
-        },
-        raise_on_error=False,
-    )
+    return materialize_range([asset], world.instance, *RANGE, raise_on_error=False)
 
 
 def _main_summary(spark: SparkSession, table: str) -> dict[str, str]:

@@ -36,6 +36,7 @@ import dagster as dg
 import pytest
 
 from backfill_assets.spec.declared import renamed
+from backfill_assets_tests.support.runs import materialize_range
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
@@ -83,17 +84,7 @@ class World:
 
     def run(self, keys: list[str], first: int, last: int) -> str:
         selection = [a for a in self.assets if a.key.to_user_string() in keys]
-        from backfill_assets.defs.definitions import RESOURCES
-
-        result = dg.materialize(
-            selection,
-            resources=RESOURCES,
-            instance=self.instance,
-            tags={
-                "dagster/asset_partition_range_start": _p(first),
-                "dagster/asset_partition_range_end": _p(last),
-            },
-        )
+        result = materialize_range(selection, self.instance, _p(first), _p(last))
         assert result.success
         return result.run_id
 

@@ -19,7 +19,7 @@ import dagster as dg
 import pytest
 
 from backfill_assets.defs.assets import build_topic_assets
-from backfill_assets.defs.definitions import RESOURCES, SPECS
+from backfill_assets.defs.definitions import SPECS
 from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate
 from backfill_assets.lake import detect, ledger, rollback
 from backfill_assets.spec.declared import renamed
@@ -27,6 +27,7 @@ from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog
 from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support.runs import materialize_range
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
@@ -59,15 +60,7 @@ class World:
 
     def run(self, keys: list[str], first: int, last: int) -> str:
         selection = [a for a in self.assets if a.key.to_user_string() in keys]
-        result = dg.materialize(
-            selection,
-            resources=RESOURCES,
-            instance=self.instance,
-            tags={
-                "dagster/asset_partition_range_start": _p(first),
-                "dagster/asset_partition_range_end": _p(last),
-            },
-        )
+        result = materialize_range(selection, self.instance, _p(first), _p(last))
         assert result.success
         return result.run_id
 

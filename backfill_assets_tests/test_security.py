@@ -26,13 +26,14 @@ import dagster as dg
 import pytest
 
 from backfill_assets.defs.assets import build_raw_asset
-from backfill_assets.defs.definitions import RESOURCES, SPECS
+from backfill_assets.defs.definitions import SPECS
 from backfill_assets.demo.generator import GeneratorConfig, generate
 from backfill_assets.lake import audit, replay
 from backfill_assets.spec.declared import renamed
 from backfill_assets.stack import catalog
 from backfill_assets.stack.broker import LocalBroker
 from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support.runs import materialize_range
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -182,16 +183,7 @@ def sasl_stack(
 
 
 def _materialize(spec: Any, instance: dg.DagsterInstance) -> dg.ExecuteInProcessResult:
-    return dg.materialize(
-        [build_raw_asset(spec)],
-        resources=RESOURCES,
-        instance=instance,
-        tags={
-            "dagster/asset_partition_range_start": RANGE[0],
-            "dagster/asset_partition_range_end": RANGE[1],
-        },
-        raise_on_error=False,
-    )
+    return materialize_range([build_raw_asset(spec)], instance, *RANGE, raise_on_error=False)
 
 
 _JVM_LOGGERS = ("org.apache.kafka", "org.apache.spark", "org.apache.iceberg")

@@ -27,6 +27,7 @@ from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog
 from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support.runs import materialize_range
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
@@ -98,15 +99,7 @@ def _tick(world: World, which: str) -> list[tuple[str, list[str], str, str]]:
 
 def _run(world: World, keys: list[str], first: str, last: str) -> str:
     selection = [a for a in world.assets if a.key.to_user_string() in keys]
-    result = dg.materialize(
-        selection,
-        resources=RESOURCES,
-        instance=world.instance,
-        tags={
-            "dagster/asset_partition_range_start": first,
-            "dagster/asset_partition_range_end": last,
-        },
-    )
+    result = materialize_range(selection, world.instance, first, last)
     return result.run_id
 
 

@@ -20,10 +20,11 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from backfill_assets.defs.assets import build_raw_asset
-from backfill_assets.defs.definitions import RESOURCES, SPECS
+from backfill_assets.defs.definitions import SPECS
 from backfill_assets.lake import ledger
 from backfill_assets.spec.declared import renamed
 from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support.runs import materialize_range
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
@@ -75,15 +76,7 @@ def test_a_correction_moved_inside_one_run_records_both_event_hours(
     assert producer.flush(30) == 0
     spec = renamed(SPECS[0], topic=topic, partition_start=START)
     with dg.instance_for_test() as instance:
-        result = dg.materialize(
-            [build_raw_asset(spec)],
-            resources=RESOURCES,
-            instance=instance,
-            tags={
-                "dagster/asset_partition_range_start": _hour(0).strftime("%Y-%m-%d-%H:%M"),
-                "dagster/asset_partition_range_end": _hour(1).strftime("%Y-%m-%d-%H:%M"),
-            },
-        )
+        result = materialize_range([build_raw_asset(spec)], instance, _hour(0), _hour(1))
     assert result.success
     table = f"lake.{stack_settings.catalog.namespace}.{spec.raw_table}"
     cover = ledger.coverage(iceberg_catalog, stack_settings.catalog.namespace, table)

@@ -35,6 +35,7 @@ from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog
 from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support.runs import materialize_range
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -99,16 +100,7 @@ def _tick(world: World) -> tuple[list[tuple[str, list[str], str, str]], str | No
 
 def _run(world: World, first: str, last: str, *, ok: bool = True) -> dg.ExecuteInProcessResult:
     selection = [a for a in world.assets if a.key.to_user_string() in world.rc]
-    result = dg.materialize(
-        selection,
-        resources=RESOURCES,
-        instance=world.instance,
-        raise_on_error=False,
-        tags={
-            "dagster/asset_partition_range_start": first,
-            "dagster/asset_partition_range_end": last,
-        },
-    )
+    result = materialize_range(selection, world.instance, first, last, raise_on_error=False)
     assert result.success is ok
     return result
 
@@ -269,15 +261,7 @@ def test_stale_hour_says_why_in_gaps(
         raw_run = _run(world, world.h(0), world.h(1)).run_id
         tables = [a for a in world.assets if a.key.to_user_string().startswith("lakehouse/")]
         tables = [a for a in tables if not a.key.to_user_string().endswith("_current")]
-        dg.materialize(
-            tables,
-            resources=RESOURCES,
-            instance=instance,
-            tags={
-                "dagster/asset_partition_range_start": world.h(0),
-                "dagster/asset_partition_range_end": world.h(1),
-            },
-        )
+        materialize_range(tables, instance, world.h(0), world.h(1))
         cat = catalog.load(stack_settings.catalog)
         ns = stack_settings.catalog.namespace
         done = rollback.rollback(cat, ns, run_id=raw_run, specs=[spec])
