@@ -313,10 +313,6 @@ def test_a_wrong_reader_default_in_spark_fails_decoded_content_and_main_is_uncha
     _produce(
         stack_settings, topic, _records(SchemaRegistryClient({"url": registry.url}), topic)[:3]
     )
-    tags = {
-        "dagster/asset_partition_range_start": RANGE[0],
-        "dagster/asset_partition_range_end": RANGE[1],
-    }
     table = f"lake.{stack_settings.catalog.namespace}.{spec.raw_table}"
     real_resolve = avro.resolve
 
@@ -332,21 +328,14 @@ def test_a_wrong_reader_default_in_spark_fails_decoded_content_and_main_is_uncha
         return writers
 
     with dg.instance_for_test() as instance:
-        clean = dg.materialize(
-            [build_raw_asset(spec)], resources=RESOURCES, instance=instance, tags=tags
-        )
-        assert clean.success
+        assert materialize_range([build_raw_asset(spec)], instance, *RANGE).success
         snapshot = f"SELECT snapshot_id FROM {table}.refs WHERE name = 'main'"
         before = spark_session.sql(snapshot).collect()
         rows_before = sorted(map(tuple, spark_session.table(table).drop("ingest_run_id").collect()))
         with monkeypatch.context() as mp:
             mp.setattr(avro, "resolve", wrong_default)
-            wrong = dg.materialize(
-                [build_raw_asset(spec)],
-                resources=RESOURCES,
-                instance=instance,
-                tags=tags,
-                raise_on_error=False,
+            wrong = materialize_range(
+                [build_raw_asset(spec)], instance, *RANGE, raise_on_error=False
             )
     assert not wrong.success
     checks = {e.check_name: e for e in wrong.get_asset_check_evaluations()}
