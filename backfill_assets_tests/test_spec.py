@@ -18,7 +18,7 @@ from backfill_assets.spec.model import SPEC_PATH, SpecError, TableSpec, TopicSpe
 
 TOPIC_FIELDS = (
     "['allowed_lateness_hours', 'columns', 'current', 'decoders', 'event_id_field', "
-    "'event_time_field', 'format', 'key_field', 'latest_version', 'max_record_bytes', "
+    "'event_time_field', 'format', 'key_field', 'latest_version', 'max_record_bytes', 'message', "
     "'partition_start', 'quarantine_max_ratio', 'subject', 'tables', 'topic', 'upcasters', "
     "'version_field']"
 )
@@ -161,16 +161,16 @@ def test_specs_are_frozen_and_copied_with_model_copy() -> None:
             "'int', 'double', 'boolean' or 'timestamp' (got 'uuid')",
         ),
         (
-            {"format": "protobuf"},
-            "format: 'protobuf' is not supported yet; allowed: ['json', 'avro', 'json_schema']",
-        ),
-        (
             {"format": "xml"},
-            "format: 'xml' is not a format; allowed: ['json', 'avro', 'json_schema']",
+            "format: 'xml' is not a format; allowed: ['json', 'avro', 'json_schema', 'protobuf']",
         ),
         (
             {"subject": "orders-value"},
-            "subject: only an avro or json_schema topic reads a schema registry",
+            "subject: only an avro, json_schema or protobuf topic reads a schema registry",
+        ),
+        (
+            {"message": "shop.Order"},
+            "message: only a protobuf topic names the message its records hold",
         ),
         (
             {"colour": "blue"},

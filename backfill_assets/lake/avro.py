@@ -206,6 +206,26 @@ def id_column() -> Column:
     return F.when(wire, F.conv(F.hex(F.substring(value, 2, 4)), 16, 10).cast("bigint"))
 
 
+def kafka_stage(raw: DataFrame) -> tuple[DataFrame, list[str]]:
+    """The Kafka columns of a wire-format topic's parse and ``_sid`` (:func:`id_column`); and
+    the names of the Kafka columns."""
+    from pyspark.sql import functions as F
+
+    df = raw.select(
+        F.col("topic"),
+        F.col("partition").alias("kafka_partition"),
+        F.col("offset").alias("kafka_offset"),
+        F.col("timestamp").alias("kafka_timestamp"),
+        F.col("kafka_hour"),
+        F.col("record_hash"),
+        F.col("key").alias("kafka_key"),
+        F.col("value").alias("kafka_value"),
+        F.col("value").isNull().alias("is_tombstone"),
+        id_column().alias("_sid"),
+    )
+    return df, [c for c in df.columns if c != "_sid"]
+
+
 def decode_stage(
     spec: TopicSpec, raw: DataFrame, writers: Mapping[int, Writer]
 ) -> tuple[DataFrame, list[str]]:
@@ -229,19 +249,7 @@ def decode_stage(
             if decoded is None
             else decoded.when(sid == w.schema_id, one)
         )
-    df = raw.select(
-        F.col("topic"),
-        F.col("partition").alias("kafka_partition"),
-        F.col("offset").alias("kafka_offset"),
-        F.col("timestamp").alias("kafka_timestamp"),
-        F.col("kafka_hour"),
-        F.col("record_hash"),
-        F.col("key").alias("kafka_key"),
-        F.col("value").alias("kafka_value"),
-        F.col("value").isNull().alias("is_tombstone"),
-        id_column().alias("_sid"),
-    )
-    kafka_cols = [c for c in df.columns if c != "_sid"]
+    df, kafka_cols = kafka_stage(raw)
     df = df.select(
         *kafka_cols,
         "_sid",

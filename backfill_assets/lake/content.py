@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from backfill_assets.lake import avro, json_schema
+from backfill_assets.lake import avro, json_schema, protobuf
 from backfill_assets.spec.model import ColumnSpec, TopicSpec
 from backfill_assets.spec.transforms import reference
 
@@ -153,12 +153,16 @@ class RecordDecoder:
 
     def __init__(self, spec: TopicSpec, registry_url: str | None = None) -> None:
         self.spec = spec
-        # An avro topic's values: confluent-kafka's deserializer with its own registry client.
-        self.avro = None
-        if spec.format == "avro":
+        # An avro or protobuf topic's values: confluent-kafka's deserializer with its own
+        # registry client.
+        self.decode: avro.IndependentDecode | protobuf.IndependentDecode | None = None
+        if spec.format in ("avro", "protobuf"):
             if registry_url is None:
-                raise ValueError(f"topic {spec.topic!r} is avro: its decode needs a registry URL")
-            self.avro = avro.IndependentDecode(spec, registry_url)
+                raise ValueError(
+                    f"topic {spec.topic!r} is {spec.format}: its decode needs a registry URL"
+                )
+            kind = avro if spec.format == "avro" else protobuf
+            self.decode = kind.IndependentDecode(spec, registry_url)
         # A json_schema topic's header: checked against the registry in plain Python.
         self.wire = None
         if spec.format == "json_schema":
@@ -198,8 +202,8 @@ class RecordDecoder:
             if key_text is None:
                 return QUARANTINED, f"missing_or_invalid:{spec.key_field}"
             return ROW, _row_hash(partition, offset, True, self.packers, {spec.key_field: key_text})
-        if self.avro is not None:
-            return self._avro(partition, offset, self.avro, value)
+        if self.decode is not None:
+            return self._decoded(partition, offset, value)
         payload = self._json(value)
         if isinstance(payload, str):
             return QUARANTINED, payload
@@ -215,12 +219,12 @@ class RecordDecoder:
             return body
         return _payload(body) if body else "invalid_json"  # the header alone: no JSON value
 
-    def _avro(
-        self, partition: int, offset: int, decode: avro.IndependentDecode, value: bytes
-    ) -> Decoded:
+    def _decoded(self, partition: int, offset: int, value: bytes) -> Decoded:
+        """An avro or protobuf value, read by the topic's IndependentDecode."""
+        assert self.decode is not None
         if not value:
             return QUARANTINED, "empty_value"
-        row = decode(value)
+        row = self.decode(value)
         if isinstance(row, str):
             return QUARANTINED, row
         reason = self._violation(row)

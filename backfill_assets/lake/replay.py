@@ -31,7 +31,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.lake import avro, identity, json_schema, ledger
+from backfill_assets.lake import avro, identity, json_schema, ledger, protobuf
 from backfill_assets.lake.archive import Archive
 from backfill_assets.lake.content import RecordDecoder
 from backfill_assets.lake.wap import SUMMARY_PREFIX, Branch, open_branch, ref_sql
@@ -76,14 +76,22 @@ QUARANTINE_RULES = (
     ("empty_value", "a zero-length value (not a tombstone: Kafka deletes only on NULL)"),
     ("not_avro_wire_format", "avro: shorter than 5 bytes or not starting with magic byte 0"),
     (
+        "not_protobuf_wire_format",
+        "protobuf: shorter than 5 bytes or not starting with magic byte 0",
+    ),
+    (
         "not_json_schema_wire_format",
         "json_schema: shorter than 5 bytes or not starting with magic byte 0",
     ),
-    ("unknown_schema_id:<id>", "avro, json_schema: the schema registry has no schema with that id"),
+    (
+        "unknown_schema_id:<id>",
+        "avro, protobuf, json_schema: the schema registry has no schema with that id",
+    ),
     (
         "incompatible_schema:<id>",
-        "avro: the writer schema does not resolve to the columns; json_schema: the id's schema "
-        "is not a JSON Schema",
+        "avro: the writer schema does not resolve to the columns; protobuf: a field cannot be "
+        "read as its column, the schema imports files or lacks the message, or the record names "
+        "another message; json_schema: the id's schema is not a JSON Schema",
     ),
     ("invalid_utf8", "a value (json_schema: the payload after its header) that is not UTF-8"),
     (
@@ -93,6 +101,7 @@ QUARANTINE_RULES = (
     ),
     ("not_json_object", "a JSON array, string, number, boolean or null"),
     ("invalid_avro:<id>", "avro: the bytes do not decode with their writer schema"),
+    ("invalid_protobuf:<id>", "protobuf: the bytes do not parse as the writer schema's message"),
     ("unknown_schema_version:<n|?>", "version not an upcaster's; ? if absent or not an integer"),
     ("missing_or_invalid:<column>", "a non-nullable column absent, null or of the wrong JSON kind"),
     ("not_allowed:<column>", "a value outside the column's allowed list"),
@@ -414,7 +423,7 @@ def read_throttled(
 
 
 def parse(
-    spec: TopicSpec, raw: DataFrame, run_id: str, writers: Mapping[int, avro.Writer] | None = None
+    spec: TopicSpec, raw: DataFrame, run_id: str, writers: Mapping[int, Any] | None = None
 ) -> tuple[DataFrame, DataFrame, DataFrame]:
     """Split Kafka records into (table rows, quarantine rows), upcast to the latest schema;
     the third frame is the cached parse both are read from (the caller unpersists it last).
@@ -423,7 +432,8 @@ def parse(
     rule for every kind of bad input, first match wins, is in :data:`QUARANTINE_RULES`; a
     tombstone (NULL value) is a row. An avro topic's values are decoded by
     :func:`backfill_assets.lake.avro.decode_stage` with ``writers`` (every schema id of the
-    window, :func:`backfill_assets.lake.avro.resolve`). A json_schema topic's header is checked
+    window, :func:`backfill_assets.lake.avro.resolve`), a protobuf topic's by
+    :func:`backfill_assets.lake.protobuf.decode_stage`. A json_schema topic's header is checked
     against ``writers`` (:func:`backfill_assets.lake.json_schema.resolve`), then the payload
     after it is read by the json rules.
 
@@ -438,8 +448,9 @@ def parse(
     from pyspark.sql import functions as F
 
     col_names = [c.name for c in spec.columns]
-    if spec.format == "avro":
-        df, kafka_cols = avro.decode_stage(spec, raw, writers or {})
+    if spec.format in ("avro", "protobuf"):
+        kind = avro if spec.format == "avro" else protobuf
+        df, kafka_cols = kind.decode_stage(spec, raw, writers or {})
         key_str = F.col("kafka_key").cast("string")
         # A tombstone's key field is its key, if that is UTF-8 text (as for JSON topics).
         key_text = F.when(F.col("is_tombstone") & F.is_valid_utf8(key_str), key_str)
@@ -863,9 +874,11 @@ def replay_to_branch(
     # One cache: the parse (on local disk). Rows and quarantine are filters of it; the first
     # write fills it, the second reads it back. The run's figures are measured on the branch
     # as written, by the checks (checks.run_checks).
-    writers = None
+    writers: Mapping[int, Any] | None = None
     if spec.format == "avro":
         writers = avro.resolve(spec, settings.schema_registry_url, contract.windows.schema_ids)
+    elif spec.format == "protobuf":
+        writers = protobuf.resolve(spec, settings.schema_registry_url, contract.windows.schema_ids)
     elif spec.format == "json_schema":
         writers = json_schema.resolve(settings.schema_registry_url, contract.windows.schema_ids)
     rows, quarantine, parsed = parse(spec, raw, run_id, writers)

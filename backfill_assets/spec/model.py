@@ -238,20 +238,24 @@ class CurrentSpec(_Spec):
     )
 
 
-FORMATS = ("json", "avro", "json_schema")
+FORMATS = ("json", "avro", "json_schema", "protobuf")
 # The formats whose values are in Confluent's wire format and name a registry subject.
-REGISTRY_FORMATS = ("avro", "json_schema")
+REGISTRY_FORMATS = ("avro", "json_schema", "protobuf")
 
 
-def _avro_fields(spec: TopicSpec) -> None:
-    """Raise if an avro topic sets what only a JSON topic uses."""
+def _binary_fields(spec: TopicSpec) -> None:
+    """Raise if an avro or protobuf topic sets what only a JSON topic uses."""
+    how = {
+        "avro": "Avro's schema resolution reads every version as the columns (added fields "
+        "from defaults, removed ones NULL, int widened to long)",
+        "protobuf": "every version is read as the columns by field name (a field the writer "
+        "lacks NULL, int32 widened to bigint, float to double)",
+    }[spec.format]
     for name in ("version_field", "upcasters", "decoders"):
         if getattr(spec, name):
             raise ValueError(
-                f"{name}: an avro topic has none; each record names its writer schema by the "
-                "registry id in its wire format, and Avro's schema resolution reads every "
-                "version as the columns (added fields from defaults, removed ones NULL, "
-                "int widened to long)"
+                f"{name}: an {spec.format} topic has none; each record names its writer schema "
+                f"by the registry id in its wire format, and {how}"
             )
 
 
@@ -259,15 +263,21 @@ class TopicSpec(_Spec):
     """A Kafka topic: how to read its records, its current state and its declared tables."""
 
     topic: str = Field(description="the Kafka topic (and the prefix of its tables)")
-    format: Literal["json", "avro", "json_schema"] = Field(
+    format: Literal["json", "avro", "json_schema", "protobuf"] = Field(
         description="the record values' encoding: json; avro (Confluent's wire format: "
-        "magic byte 0, the registry's 4-byte schema id, Avro binary); or json_schema (the same "
-        "header, then UTF-8 JSON read by the json format's rules)"
+        "magic byte 0, the registry's 4-byte schema id, Avro binary); json_schema (the same "
+        "header, then UTF-8 JSON read by the json format's rules); or protobuf (the header, the "
+        "message-index path, protobuf binary)"
+    )
+    message: str | None = Field(
+        default=None,
+        description="protobuf: the full name of the message the records hold (package "
+        "included); default: the first message of each writer schema",
     )
     subject: str | None = Field(
         default=None,
-        description="avro, json_schema: the schema registry subject (avro: its latest schema "
-        "gives the fields' defaults); default `<topic>-value`",
+        description="avro, json_schema, protobuf: the schema registry subject (avro: its latest "
+        "schema gives the fields' defaults); default `<topic>-value`",
     )
     key_field: str = Field(description="the column whose value the Kafka key holds")
     event_id_field: str = Field(description="unique per event; duplicates are removed")
@@ -336,11 +346,6 @@ class TopicSpec(_Spec):
     @field_validator("format", mode="before")
     @classmethod
     def _known_format(cls, value: Any) -> Any:
-        if value == "protobuf":
-            raise ValueError(
-                f"{value!r} is not supported yet; allowed: {list(FORMATS)} (issue 28: Avro and "
-                "JSON Schema through the schema registry are; Protobuf comes later)"
-            )
         if value not in FORMATS:
             raise ValueError(f"{value!r} is not a format; allowed: {list(FORMATS)}")
         return value
@@ -348,12 +353,15 @@ class TopicSpec(_Spec):
     @model_validator(mode="after")
     def _fields_agree(self) -> TopicSpec:
         names = [c.name for c in self.columns]
-        if self.format == "avro":
-            _avro_fields(self)
+        if self.format in ("avro", "protobuf"):
+            _binary_fields(self)
         elif self.subject is not None and self.format not in REGISTRY_FORMATS:
             raise ValueError(
-                "subject: only an avro or json_schema topic reads a schema registry subject"
+                "subject: only an avro, json_schema or protobuf topic reads a schema registry "
+                "subject"
             )
+        if self.message is not None and self.format != "protobuf":
+            raise ValueError("message: only a protobuf topic names the message its records hold")
         for field in ("key_field", "event_id_field"):
             if getattr(self, field) not in names:
                 raise ValueError(f"{field}: {getattr(self, field)!r} is not one of the columns")

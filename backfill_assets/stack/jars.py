@@ -10,6 +10,7 @@ pom is not resolved again.
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -20,7 +21,8 @@ from backfill_assets.stack.settings import Settings
 MAVEN_DIR = Path(__file__).resolve().parent / "maven"
 # spark-cloud: Postgres JDBC driver and S3 (only on Spark's classpath for a Postgres catalog or
 # an s3:// warehouse/archive); s3proxy: the test tier's object store, never on Spark's classpath;
-# spark-formats: spark-avro, for decoding schema-registry topics (in spark.jars: from_avro).
+# spark-formats: spark-avro and protobuf-java, for decoding schema-registry topics (in
+# spark.jars: from_avro; the udf jar's ProtobufRow).
 JAR_SETS = ("kafka-broker", "spark", "spark-cloud", "s3proxy", "spark-formats")
 _STAMP = ".resolved-pom.sha256"
 
@@ -183,6 +185,7 @@ def udf_jar_path(settings: Settings) -> Path:
     import pyspark
 
     digest = hashlib.sha256(pyspark.__version__.encode())
+    digest.update(_pom_hash("spark-formats").encode())  # compiled against protobuf-java
     for src in sorted(JAVA_SOURCES.rglob("*.java")):
         digest.update(src.relative_to(JAVA_SOURCES).as_posix().encode())
         digest.update(src.read_bytes())
@@ -190,8 +193,9 @@ def udf_jar_path(settings: Settings) -> Path:
 
 
 def udf_jar(settings: Settings) -> Path:
-    """The project's own JVM functions (``stack/java``: the raw parse's strict JSON reader),
-    compiled against this pyspark's jars into ``<jar_cache>/udf/``; built on first use.
+    """The project's own JVM functions (``stack/java``: the raw parse's strict JSON reader, the
+    protobuf decode), compiled against this pyspark's jars and the ``spark-formats`` set into
+    ``<jar_cache>/udf/``; built on first use.
 
     The jar is named by the hash of its sources and of pyspark's version, so a change to either
     builds a new one. It is written to a temporary name and renamed into place (atomic). Needs a
@@ -215,6 +219,7 @@ def udf_jar(settings: Settings) -> Path:
     sources = sorted(JAVA_SOURCES.rglob("*.java"))
     target.parent.mkdir(parents=True, exist_ok=True)
     spark_jars = Path(pyspark.__file__).parent / "jars"
+    classpath = os.pathsep.join([f"{spark_jars}/*", *map(str, jars(settings, "spark-formats"))])
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         classes = Path(tmp) / "classes"
         cmd = [
@@ -223,7 +228,7 @@ def udf_jar(settings: Settings) -> Path:
             "17",
             "-nowarn",
             "-cp",
-            f"{spark_jars}/*",
+            classpath,
             "-d",
             str(classes),
             *map(str, sources),

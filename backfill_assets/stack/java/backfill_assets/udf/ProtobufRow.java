@@ -1,0 +1,149 @@
+package backfill_assets.udf;
+
+import com.google.protobuf.ByteString;
+import com.google.protobuf.CodedInputStream;
+import com.google.protobuf.DescriptorProtos.FileDescriptorProto;
+import com.google.protobuf.Descriptors.Descriptor;
+import com.google.protobuf.Descriptors.DescriptorValidationException;
+import com.google.protobuf.Descriptors.FieldDescriptor;
+import com.google.protobuf.Descriptors.FileDescriptor;
+import com.google.protobuf.DynamicMessage;
+import com.google.protobuf.InvalidProtocolBufferException;
+import java.io.IOException;
+import java.util.ArrayList;
+import java.util.Base64;
+import java.util.List;
+import java.util.concurrent.ConcurrentHashMap;
+import org.apache.spark.sql.Row;
+import org.apache.spark.sql.RowFactory;
+import org.apache.spark.sql.api.java.UDF3;
+
+/**
+ * The raw parse's protobuf decode: one Kafka value in Confluent's wire format (magic byte 0, the
+ * 4-byte schema id, the message-index path as zig-zag varints, the protobuf payload), read with
+ * protobuf-java's {@code DynamicMessage} against its writer schema.
+ *
+ * <p>Called as {@code protobuf_row(value, descriptor, request)}: {@code descriptor} is the writer
+ * schema as a base64 {@code FileDescriptorProto} with no imports (the registry's
+ * {@code format=serialized} answer); {@code request} is the message's full name on its first line,
+ * then one column per line, {@code <field name>\t<kind>}, kind one of {@code string},
+ * {@code bigint}, {@code int}, {@code double}, {@code boolean}. The result is a row
+ * {@code (status, c0, c1, ...)}:
+ *
+ * <ul>
+ *   <li>{@code status}: 0 decoded; 1 the index path names another message of the schema (or none);
+ *       2 the bytes are not a value of the message (header, index path or payload).
+ *   <li>{@code cN}: the field's value, NULL when the writer schema has no such field or the field
+ *       tracks presence and is unset; an unset proto3 scalar without presence is its zero value,
+ *       as protobuf defines it. Integers widen to {@code bigint}, floats to {@code double}.
+ * </ul>
+ *
+ * <p>Which field types may be read as which kind was judged on the driver
+ * (backfill_assets/lake/protobuf.py) before this is called. A NULL value (a tombstone) gives a
+ * NULL row. Parsed descriptors are cached per (descriptor, message); nothing else is stateful.
+ */
+public final class ProtobufRow implements UDF3<byte[], String, String, Row> {
+  private static final long serialVersionUID = 1L;
+  private static final ConcurrentHashMap<String, Descriptor> MESSAGES = new ConcurrentHashMap<>();
+  private static final ConcurrentHashMap<String, String[]> REQUESTS = new ConcurrentHashMap<>();
+
+  @Override
+  public Row call(byte[] value, String descriptor, String request) throws Exception {
+    if (value == null) {
+      return null;
+    }
+    String[] lines = REQUESTS.computeIfAbsent(request, r -> r.split("\n", -1));
+    int columns = lines.length - 1;
+    Object[] out = new Object[columns + 1];
+    Descriptor message = MESSAGES.computeIfAbsent(lines[0] + "\n" + descriptor, k -> load(descriptor, lines[0]));
+    if (value.length < 6 || value[0] != 0) {
+      out[0] = 2;
+      return RowFactory.create(out);
+    }
+    CodedInputStream in = CodedInputStream.newInstance(value, 5, value.length - 5);
+    List<Integer> path = new ArrayList<>();
+    DynamicMessage parsed;
+    try {
+      int count = in.readSInt32();
+      if (count < 0 || count > 64) {
+        out[0] = 2;
+        return RowFactory.create(out);
+      }
+      if (count == 0) {
+        path.add(0);
+      }
+      for (int i = 0; i < count; i++) {
+        path.add(in.readSInt32());
+      }
+      if (!message.equals(at(message.getFile(), path))) {
+        out[0] = 1;
+        return RowFactory.create(out);
+      }
+      int start = in.getTotalBytesRead() + 5;
+      parsed = DynamicMessage.parseFrom(message, ByteString.copyFrom(value, start, value.length - start));
+    } catch (IOException | RuntimeException e) {
+      out[0] = 2;
+      return RowFactory.create(out);
+    }
+    out[0] = 0;
+    for (int i = 0; i < columns; i++) {
+      String line = lines[i + 1];
+      int tab = line.indexOf('\t');
+      FieldDescriptor field = message.findFieldByName(line.substring(0, tab));
+      if (field == null || field.isRepeated() || (field.hasPresence() && !parsed.hasField(field))) {
+        continue;
+      }
+      out[i + 1] = convert(parsed.getField(field), line.substring(tab + 1));
+    }
+    return RowFactory.create(out);
+  }
+
+  private static Object convert(Object v, String kind) {
+    switch (kind) {
+      case "bigint":
+        return v instanceof Integer ? Long.valueOf((Integer) v) : v;
+      case "double":
+        return v instanceof Float ? Double.valueOf((Float) v) : v;
+      default:
+        return v;
+    }
+  }
+
+  /** The message at an index path of the file, or null if the path names none. */
+  private static Descriptor at(FileDescriptor file, List<Integer> path) {
+    List<Descriptor> level = file.getMessageTypes();
+    Descriptor found = null;
+    for (int index : path) {
+      if (index < 0 || index >= level.size()) {
+        return null;
+      }
+      found = level.get(index);
+      level = found.getNestedTypes();
+    }
+    return found;
+  }
+
+  private static Descriptor find(List<Descriptor> level, String name) {
+    for (Descriptor d : level) {
+      Descriptor found = d.getFullName().equals(name) ? d : find(d.getNestedTypes(), name);
+      if (found != null) {
+        return found;
+      }
+    }
+    return null;
+  }
+
+  private static Descriptor load(String descriptor, String name) {
+    try {
+      FileDescriptorProto proto = FileDescriptorProto.parseFrom(Base64.getDecoder().decode(descriptor));
+      FileDescriptor file = FileDescriptor.buildFrom(proto, new FileDescriptor[0]);
+      Descriptor message = find(file.getMessageTypes(), name);
+      if (message == null || !message.getFullName().equals(name)) {
+        throw new IllegalArgumentException("no message " + name + " in the writer schema");
+      }
+      return message;
+    } catch (InvalidProtocolBufferException | DescriptorValidationException e) {
+      throw new IllegalArgumentException("the writer schema is not a descriptor: " + e, e);
+    }
+  }
+}
