@@ -59,6 +59,19 @@ _CURRENCY: Field = ("currency", 6, _F.TYPE_STRING, False)
 V1 = [_EVENT, _ORDER, ("amount", 3, _F.TYPE_INT32, False), _NOTE, _TIME]
 V2 = [*V1, _CURRENCY]
 V3 = [_EVENT, _ORDER, ("amount", 3, _F.TYPE_INT64, False), _TIME, _CURRENCY]
+# v4, registered as .proto text, the way Java producers register (the others are registered as
+# serialized descriptors, the way confluent-kafka's Python serializer does): compiled by protoc.
+V4_TEXT = """syntax = "proto3";
+package shop;
+message Order {
+  string event_id = 1;
+  string order_id = 2;
+  int64 amount = 3;
+  int64 event_time = 5;
+  string currency = 6;
+  bool gift = 7;
+}
+"""
 # Registered under another subject: its amount is a string, never read as the bigint column.
 BAD = [_EVENT, _ORDER, ("amount", 3, _F.TYPE_STRING, False), _TIME]
 
@@ -122,6 +135,7 @@ def _records(client: SchemaRegistryClient, topic: str) -> list[tuple[bytes | Non
     ids = [_register(client, subject, files[0])]
     client.set_compatibility(subject, "NONE")  # int32 -> int64 is wire-compatible, not BACKWARD
     ids += [_register(client, subject, f) for f in files[1:]]
+    v4_id = client.register_schema(subject, Schema(V4_TEXT, "PROTOBUF"))
     bad_id = _register(client, f"{topic}-legacy-value", _file(BAD))
     ctx = SerializationContext(topic, MessageField.VALUE)
     ms = int((HOUR0 + timedelta(minutes=3)).timestamp() * 1000)
@@ -173,12 +187,22 @@ def _records(client: SchemaRegistryClient, topic: str) -> list[tuple[bytes | Non
         (b'{"event_id": "e7"}', "q:not_protobuf_wire_format"),
         # v2 with currency unset: proto3's zero value, the empty string
         (ser(2, event_id="e8", order_id="o8", amount=80, note="n"), row(8, 80, "n", "", ids[1])),
-        # A tombstone (the 9th record, key o9): a row with its key field from the key.
-        (None, {"order_id": "o9", "event_id": None, "amount": None, "is_tombstone": True}),
+        # v4 (a .proto text schema): its payload, with the index path of its first message.
+        (
+            b"\x00"
+            + struct.pack(">I", v4_id)
+            + b"\x00"
+            + _class(files[2])(
+                event_id="e9", order_id="o9", amount=9, event_time=ms, currency="C"
+            ).SerializeToString(),
+            row(9, 9, None, "C", v4_id),
+        ),
+        # A tombstone (the 10th record, key o10): a row with its key field from the key.
+        (None, {"order_id": "o10", "event_id": None, "amount": None, "is_tombstone": True}),
         # A known id whose payload is cut inside a string field.
         (v1[:9], f"q:invalid_protobuf:{ids[0]}"),
     ]
-    assert len(set(ids)) == 3 and bad_id not in ids
+    assert len({*ids, v4_id}) == 4 and bad_id not in ids
     return out
 
 
@@ -241,6 +265,10 @@ def test_each_writer_is_judged_against_the_columns() -> None:
     verdict = protobuf.judge(refunds, 4, _serialized(_file(V1, refund=True)))
     assert (verdict.reason, verdict.path) == (None, (1,))
     assert protobuf.judge(refunds, 3, _serialized(_file(V1))).reason == "incompatible_schema:3"
+    # .proto text is compiled by protoc; text protoc refuses is incompatible, never guessed at.
+    text = protobuf.judge(spec, 2, ("PROTOBUF", V4_TEXT))
+    assert (text.reason, text.message) == (None, "shop.Order")
+    assert protobuf.judge(spec, 1, ("PROTOBUF", "message {")).reason == "incompatible_schema:1"
 
 
 def test_the_message_index_path_is_read_as_confluent_writes_it() -> None:

@@ -12,6 +12,7 @@ looked up in the schema registry once per run as a serialized ``FileDescriptorPr
   of the spec's name (``message``; default: the file's first), or has a field named as a column
   whose type cannot be read as the column without loss (:data:`READABLE`; repeated and message
   fields never can): ``incompatible_schema:<id>``, never coerced;
+* a schema held as ``.proto`` text is compiled by protoc first (grpcio-tools' wheel);
 * otherwise its records are decoded on the JVM by the project's ``ProtobufRow`` function
   (protobuf-java's ``DynamicMessage``; ``stack/java``). A record whose index path names another
   message is quarantined ``incompatible_schema:<id>``, one whose bytes do not parse
@@ -109,7 +110,7 @@ def judge(spec: TopicSpec, sid: int, found: tuple[str, str] | None) -> Writer:
     incompatible = Writer(sid, reason=f"incompatible_schema:{sid}")
     file = _file(found)
     chosen = None if file is None else _chosen(spec, file)
-    if chosen is None:
+    if file is None or chosen is None:
         return incompatible
     name, path, msg = chosen
     fields = {f.name: f for f in msg.field}
@@ -119,21 +120,48 @@ def judge(spec: TopicSpec, sid: int, found: tuple[str, str] | None) -> Writer:
             continue
         if field.label == _REPEATED or field.type not in READABLE[col.type]:
             return incompatible
-    return Writer(sid, descriptor=found[1], message=name, path=path)
+    descriptor = base64.b64encode(file.SerializeToString()).decode()
+    return Writer(sid, descriptor=descriptor, message=name, path=path)
 
 
 def _file(found: tuple[str, str]) -> FileDescriptorProto | None:
-    """The writer schema of a registry answer, if it is a Protobuf file without imports."""
+    """The writer schema of a registry answer, if it is a Protobuf file without imports: a base64
+    ``FileDescriptorProto`` as the registry gives it for ``format=serialized``, or ``.proto``
+    text (what Java producers register, and what a registry that ignores the format returns),
+    compiled by :func:`compile_proto`."""
     from google.protobuf.descriptor_pb2 import FileDescriptorProto
     from google.protobuf.message import DecodeError
 
     if found[0] != "PROTOBUF":
         return None
     try:
-        file = FileDescriptorProto.FromString(base64.b64decode(found[1]))
+        file: FileDescriptorProto | None = FileDescriptorProto.FromString(
+            base64.b64decode(found[1], validate=True)
+        )
     except (DecodeError, ValueError):
+        file = compile_proto(found[1])
+    if file is None or file.dependency or not file.message_type:
         return None
-    return None if file.dependency or not file.message_type else file
+    return file
+
+
+def compile_proto(text: str) -> FileDescriptorProto | None:
+    """``.proto`` text compiled to its ``FileDescriptorProto`` by protoc (grpcio-tools' wheel, in
+    this process), or None if protoc refuses it."""
+    import tempfile
+    from pathlib import Path
+
+    from google.protobuf.descriptor_pb2 import FileDescriptorSet
+    from grpc_tools import protoc
+
+    with tempfile.TemporaryDirectory() as tmp:
+        source, out = Path(tmp) / "writer.proto", Path(tmp) / "writer.desc"
+        source.write_text(text)
+        code = protoc.main(["protoc", f"-I{tmp}", f"--descriptor_set_out={out}", str(source)])
+        if code != 0 or not out.is_file():
+            return None
+        files = FileDescriptorSet.FromString(out.read_bytes()).file
+    return files[0] if len(files) == 1 else None
 
 
 def _chosen(
@@ -316,4 +344,6 @@ class IndependentDecode:
         message = pool.FindMessageTypeByName(writer.message)
         cls = message_factory.GetMessageClass(message)
         fields = {c.name: message.fields_by_name.get(c.name) for c in self.spec.columns}
-        return writer, ProtobufDeserializer(cls, {}, self._registry), fields
+        # No registry client: the writer schema is already known, and the deserializer would
+        # fetch it again as a serialized descriptor, which not every registry gives.
+        return writer, ProtobufDeserializer(cls, {}, None), fields
