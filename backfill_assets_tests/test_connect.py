@@ -88,16 +88,17 @@ print("RESULT " + json.dumps(out))
 """
 
 
-# Runs in the child: the raw asset of test_avro_topic's Avro topic (three writer versions, bad
-# records) over Spark Connect, with the registry BACKFILL_SCHEMA_REGISTRY_URL names.
-CHILD_AVRO = r"""
-import json, sys
+# Runs in the child: the raw asset of a registry topic test's topic (argv[2]: test_avro_topic or
+# test_protobuf_topic; several writer versions, bad records) over Spark Connect, with the
+# registry BACKFILL_SCHEMA_REGISTRY_URL names.
+CHILD_REGISTRY = r"""
+import importlib, json, sys
 import dagster as dg
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import RESOURCES
-from backfill_assets_tests.test_avro_topic import RANGE, _spec
 
-spec = _spec(sys.argv[1])
+case = importlib.import_module(f"backfill_assets_tests.{sys.argv[2]}")
+RANGE, spec = case.RANGE, case._spec(sys.argv[1])
 with dg.instance_for_test() as instance:
     res = dg.materialize([build_raw_asset(spec)], resources=RESOURCES, instance=instance,
                          raise_on_error=False,
@@ -220,25 +221,30 @@ def test_backfill_over_connect_publishes_what_was_produced(
     assert snap.summary.additional_properties.get("backfill.run-id") == out["raw"]["run_id"]
 
 
-# slow tier (CI runs it): ~20 s; test_avro_topic covers the same decode on the local engine.
+# slow tier (CI runs it): ~20 s each; test_avro_topic and test_protobuf_topic cover the same
+# decode on the local engine.
 @pytest.mark.slow
-def test_avro_topic_over_connect_decodes_every_writer_version(
+@pytest.mark.parametrize("case_name", ["test_avro_topic", "test_protobuf_topic"])
+def test_registry_topic_over_connect_decodes_every_writer_version(
     connect_server: Server,
     stack_settings: Settings,
     iceberg_catalog: Catalog,
     registry: LocalRegistry,
+    case_name: str,
 ) -> None:
-    """spark-avro's from_avro runs on the Connect server (its spark.jars): the same Avro topic
-    as test_avro_topic gives the same rows and quarantine reasons through a thin client."""
+    """The decode runs on the Connect server (its spark.jars: spark-avro's from_avro, the udf
+    jar's ProtobufRow with protobuf-java): the same topic as the local-engine test gives the
+    same rows and quarantine reasons through a thin client."""
+    import importlib
+
     from confluent_kafka.schema_registry import SchemaRegistryClient
 
-    from backfill_assets_tests import test_avro_topic as avro_case
+    case = importlib.import_module(f"backfill_assets_tests.{case_name}")
+    topic = f"{case_name.split('_')[1]}_{uuid.uuid4().hex[:8]}"
+    records = case._records(SchemaRegistryClient({"url": registry.url}), topic)
+    offsets = case._produce(stack_settings, topic, records)
 
-    topic = f"avro_{uuid.uuid4().hex[:8]}"
-    records = avro_case._records(SchemaRegistryClient({"url": registry.url}), topic)
-    offsets = avro_case._produce(stack_settings, topic, records)
-
-    out = _child(connect_server.url, topic, script=CHILD_AVRO)
+    out = _child(connect_server.url, topic, case_name, script=CHILD_REGISTRY)
 
     assert out["success"], out["failures"]
     assert out["checks"] and all(out["checks"].values()), out["checks"]
