@@ -72,6 +72,17 @@ message Order {
   bool gift = 7;
 }
 """
+# v5, as text importing the well-known Timestamp, which its event_time now is.
+V5_TEXT = """syntax = "proto3";
+package shop;
+import "google/protobuf/timestamp.proto";
+message Order {
+  string event_id = 1;
+  string order_id = 2;
+  int64 amount = 3;
+  google.protobuf.Timestamp event_time = 5;
+}
+"""
 # Registered under another subject: its amount is a string, never read as the bigint column.
 BAD = [_EVENT, _ORDER, ("amount", 3, _F.TYPE_STRING, False), _TIME]
 
@@ -136,6 +147,7 @@ def _records(client: SchemaRegistryClient, topic: str) -> list[tuple[bytes | Non
     client.set_compatibility(subject, "NONE")  # int32 -> int64 is wire-compatible, not BACKWARD
     ids += [_register(client, subject, f) for f in files[1:]]
     v4_id = client.register_schema(subject, Schema(V4_TEXT, "PROTOBUF"))
+    v5_id = client.register_schema(subject, Schema(V5_TEXT, "PROTOBUF"))
     bad_id = _register(client, f"{topic}-legacy-value", _file(BAD))
     ctx = SerializationContext(topic, MessageField.VALUE)
     ms = int((HOUR0 + timedelta(minutes=3)).timestamp() * 1000)
@@ -197,13 +209,37 @@ def _records(client: SchemaRegistryClient, topic: str) -> list[tuple[bytes | Non
             ).SerializeToString(),
             row(9, 9, None, "C", v4_id),
         ),
-        # A tombstone (the 10th record, key o10): a row with its key field from the key.
-        (None, {"order_id": "o10", "event_id": None, "amount": None, "is_tombstone": True}),
+        # v5: event_time is a google.protobuf.Timestamp
+        (
+            b"\x00"
+            + struct.pack(">I", v5_id)
+            + b"\x00"
+            + _v5(event_id="e10", order_id="o10", ms=ms),
+            row(10, 0, None, None, v5_id),
+        ),
+        # A tombstone (the 11th record, key o11): a row with its key field from the key.
+        (None, {"order_id": "o11", "event_id": None, "amount": None, "is_tombstone": True}),
         # A known id whose payload is cut inside a string field.
         (v1[:9], f"q:invalid_protobuf:{ids[0]}"),
     ]
-    assert len({*ids, v4_id}) == 4 and bad_id not in ids
+    assert len({*ids, v4_id, v5_id}) == 5 and bad_id not in ids
     return out
+
+
+def _v5(event_id: str, order_id: str, ms: int) -> bytes:
+    """A v5 payload (compiled from its text by protoc, with the well-known Timestamp)."""
+    from google.protobuf import timestamp_pb2
+
+    file = protobuf.compile_proto(V5_TEXT)
+    assert file is not None
+    pool = descriptor_pool.DescriptorPool()
+    pool.AddSerializedFile(timestamp_pb2.DESCRIPTOR.serialized_pb)
+    pool.Add(file)
+    cls = message_factory.GetMessageClass(pool.FindMessageTypeByName("shop.Order"))
+    msg = cls(event_id=event_id, order_id=order_id)
+    msg.event_time.seconds, msg.event_time.nanos = divmod(ms, 1000)
+    msg.event_time.nanos *= 1_000_000
+    return bytes(msg.SerializeToString())
 
 
 def _produce(settings: Settings, topic: str, records: list[tuple[bytes | None, Any]]) -> list[int]:
@@ -255,8 +291,13 @@ def test_each_writer_is_judged_against_the_columns() -> None:
     assert protobuf.judge(spec, 8, None).reason == "unknown_schema_id:8"
     assert protobuf.judge(spec, 7, ("AVRO", '"string"')).reason == "incompatible_schema:7"
     imports = _file(V1)
-    imports.dependency.append("google/protobuf/timestamp.proto")
+    imports.dependency.append("google/other.proto")
     assert protobuf.judge(spec, 6, _serialized(imports)).reason == "incompatible_schema:6"
+    # The well-known Timestamp is the one import read (as a timestamp column only).
+    stamped = protobuf.judge(spec, 6, ("PROTOBUF", V5_TEXT))
+    assert (stamped.reason, stamped.message) == (None, "shop.Order")
+    as_amount = V5_TEXT.replace("int64 amount = 3", "google.protobuf.Timestamp amount = 3")
+    assert protobuf.judge(spec, 6, ("PROTOBUF", as_amount)).reason == "incompatible_schema:6"
     repeated = _file(V1)
     repeated.message_type[0].field[0].label = _F.LABEL_REPEATED
     assert protobuf.judge(spec, 5, _serialized(repeated)).reason == "incompatible_schema:5"

@@ -8,7 +8,8 @@ looked up in the schema registry once per run as a serialized ``FileDescriptorPr
 (:func:`judge`):
 
 * the registry has no such id: its records are quarantined ``unknown_schema_id:<id>``;
-* the id's schema is not a Protobuf one, imports other files (not supported yet), has no message
+* the id's schema is not a Protobuf one, imports a file other than the well-known
+  ``google/protobuf/timestamp.proto`` (not supported yet), has no message
   of the spec's name (``message``; default: the file's first), or has a field named as a column
   whose type cannot be read as the column without loss (:data:`READABLE`; repeated and message
   fields never can): ``incompatible_schema:<id>``, never coerced;
@@ -21,8 +22,8 @@ looked up in the schema registry once per run as a serialized ``FileDescriptorPr
 Protobuf resolves versions by field *name* here, as the columns are named: a field the writer
 schema lacks is NULL; a field that tracks presence (``optional``, proto2) and is unset is NULL;
 an unset proto3 scalar without presence is its zero value, which is what protobuf says it is.
-int32 widens to bigint and float to double. A timestamp column reads an int64 of epoch
-milliseconds (``google/protobuf/timestamp.proto`` is an import: not supported yet).
+int32 widens to bigint and float to double. A timestamp column reads a
+``google.protobuf.Timestamp`` or an int64 of epoch milliseconds.
 
 The raw table's ``schema_version`` holds the registry's schema id of the record's writer schema.
 The decoded_content check's own decode (:class:`IndependentDecode`) uses confluent-kafka's
@@ -57,8 +58,12 @@ READABLE: dict[str, frozenset[int]] = {
     "int": frozenset({5, 15, 17}),
     "double": frozenset({1, 2}),
     "boolean": frozenset({8}),
-    "timestamp": frozenset({3, 16, 18}),  # epoch milliseconds
+    "timestamp": frozenset({3, 16, 18}),  # epoch milliseconds (or a Timestamp message)
 }
+_MESSAGE = 11
+TIMESTAMP_TYPE = ".google.protobuf.Timestamp"
+# The one file a writer schema may import (protobuf-java and Python's runtime both carry it).
+TIMESTAMP_FILE = "google/protobuf/timestamp.proto"
 _REPEATED = 3  # FieldDescriptorProto.Label
 _STATUS = {1: "incompatible_schema", 2: "invalid_protobuf"}  # ProtobufRow's status
 
@@ -118,7 +123,8 @@ def judge(spec: TopicSpec, sid: int, found: tuple[str, str] | None) -> Writer:
         field = fields.get(col.name)
         if field is None:
             continue
-        if field.label == _REPEATED or field.type not in READABLE[col.type]:
+        stamp = col.type == "timestamp" and field.type_name == TIMESTAMP_TYPE
+        if field.label == _REPEATED or (field.type not in READABLE[col.type] and not stamp):
             return incompatible
     descriptor = base64.b64encode(file.SerializeToString()).decode()
     return Writer(sid, descriptor=descriptor, message=name, path=path)
@@ -140,7 +146,7 @@ def _file(found: tuple[str, str]) -> FileDescriptorProto | None:
         )
     except (DecodeError, ValueError):
         file = compile_proto(found[1])
-    if file is None or file.dependency or not file.message_type:
+    if file is None or set(file.dependency) - {TIMESTAMP_FILE} or not file.message_type:
         return None
     return file
 
@@ -151,13 +157,16 @@ def compile_proto(text: str) -> FileDescriptorProto | None:
     import tempfile
     from pathlib import Path
 
+    import grpc_tools
     from google.protobuf.descriptor_pb2 import FileDescriptorSet
     from grpc_tools import protoc
 
+    well_known = Path(grpc_tools.__file__).parent / "_proto"  # google/protobuf/*.proto
     with tempfile.TemporaryDirectory() as tmp:
         source, out = Path(tmp) / "writer.proto", Path(tmp) / "writer.desc"
         source.write_text(text)
-        code = protoc.main(["protoc", f"-I{tmp}", f"--descriptor_set_out={out}", str(source)])
+        args = [f"-I{tmp}", f"-I{well_known}", f"--descriptor_set_out={out}", str(source)]
+        code = protoc.main(["protoc", *args])
         if code != 0 or not out.is_file():
             return None
         files = FileDescriptorSet.FromString(out.read_bytes()).file
@@ -182,8 +191,13 @@ def resolve(spec: TopicSpec, url: str, ids: Iterable[int]) -> dict[int, Writer]:
 
 def _request(spec: TopicSpec, message: str) -> str:
     """ProtobufRow's request: the message's full name, then ``<field>\\t<kind>`` per column."""
-    kinds = {"timestamp": "bigint"}
-    return "\n".join([message, *(f"{c.name}\t{kinds.get(c.type, c.type)}" for c in spec.columns)])
+    return "\n".join([message, *(f"{c.name}\t{c.type}" for c in spec.columns)])
+
+
+def _struct(spec: TopicSpec) -> str:
+    """ProtobufRow's result type: its status, then each column (a timestamp as epoch micros)."""
+    kinds = ["bigint" if c.type == "timestamp" else c.type for c in spec.columns]
+    return "struct<status: int" + "".join(f", c{i}: {k}" for i, k in enumerate(kinds)) + ">"
 
 
 def _row_function(spark: SparkSession, spec: TopicSpec) -> str:
@@ -191,8 +205,7 @@ def _row_function(spark: SparkSession, spec: TopicSpec) -> str:
     what it returns)."""
     from pyspark.sql.types import _parse_datatype_string
 
-    kinds = ["bigint" if c.type == "timestamp" else c.type for c in spec.columns]
-    struct = "struct<status: int" + "".join(f", c{i}: {k}" for i, k in enumerate(kinds)) + ">"
+    struct = _struct(spec)
     name = "backfill_protobuf_row_" + hashlib.sha256(struct.encode()).hexdigest()[:16]
     if not spark.catalog.functionExists(name):
         spark.udf.registerJavaFunction(name, PROTOBUF_ROW_CLASS, _parse_datatype_string(struct))
@@ -225,8 +238,7 @@ def decode_stage(
                 if decoded is None
                 else decoded.when(sid == w.schema_id, one)
             )
-    kinds = ["bigint" if c.type == "timestamp" else c.type for c in spec.columns]
-    empty = "struct<status: int" + "".join(f", c{i}: {k}" for i, k in enumerate(kinds)) + ">"
+    empty = _struct(spec)
     df = df.select(
         *kafka_cols,
         "_sid",
@@ -247,7 +259,7 @@ def decode_stage(
     for i, c in enumerate(spec.columns):
         value = F.col("_p").getField(f"c{i}")
         columns.append(
-            (F.timestamp_millis(value) if c.type == "timestamp" else value).alias(c.name)
+            (F.timestamp_micros(value) if c.type == "timestamp" else value).alias(c.name)
         )
     df = df.select(
         *kafka_cols, sid.cast("int").alias("schema_version"), wire.alias("_wire"), *columns
@@ -325,12 +337,12 @@ class IndependentDecode:
                 row[name] = None
             else:
                 value_ = getattr(msg, name)
-                row[name] = value_ * 1000 if name in self.stamps else value_
+                row[name] = _micros(value_) if name in self.stamps else value_
         return row
 
     def _deserializer(self, sid: int) -> tuple[Writer, Any, Any] | str:
         from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer
-        from google.protobuf import descriptor_pool, message_factory
+        from google.protobuf import descriptor_pool, message_factory, timestamp_pb2
         from google.protobuf.descriptor_pb2 import FileDescriptorProto
 
         if self._registry is None:
@@ -340,6 +352,7 @@ class IndependentDecode:
             return writer.reason
         assert writer.descriptor is not None and writer.message is not None
         pool = descriptor_pool.DescriptorPool()
+        pool.AddSerializedFile(timestamp_pb2.DESCRIPTOR.serialized_pb)
         pool.Add(FileDescriptorProto.FromString(base64.b64decode(writer.descriptor)))
         message = pool.FindMessageTypeByName(writer.message)
         cls = message_factory.GetMessageClass(message)
@@ -347,3 +360,15 @@ class IndependentDecode:
         # No registry client: the writer schema is already known, and the deserializer would
         # fetch it again as a serialized descriptor, which not every registry gives.
         return writer, ProtobufDeserializer(cls, {}, None), fields
+
+
+_LONG = (-(2**63), 2**63 - 1)
+
+
+def _micros(value: Any) -> int | None:
+    """Epoch microseconds of an int64 of epoch milliseconds or a Timestamp message, as
+    ProtobufRow gives them (None if they do not fit a long)."""
+    micros = (
+        value * 1000 if isinstance(value, int) else value.seconds * 1_000_000 + value.nanos // 1000
+    )
+    return micros if _LONG[0] <= micros <= _LONG[1] else None

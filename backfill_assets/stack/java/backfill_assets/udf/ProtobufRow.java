@@ -9,6 +9,8 @@ import com.google.protobuf.Descriptors.FieldDescriptor;
 import com.google.protobuf.Descriptors.FileDescriptor;
 import com.google.protobuf.DynamicMessage;
 import com.google.protobuf.InvalidProtocolBufferException;
+import com.google.protobuf.Message;
+import com.google.protobuf.Timestamp;
 import java.io.IOException;
 import java.util.ArrayList;
 import java.util.Base64;
@@ -27,7 +29,10 @@ import org.apache.spark.sql.api.java.UDF3;
  * schema as a base64 {@code FileDescriptorProto} with no imports (the registry's
  * {@code format=serialized} answer); {@code request} is the message's full name on its first line,
  * then one column per line, {@code <field name>\t<kind>}, kind one of {@code string},
- * {@code bigint}, {@code int}, {@code double}, {@code boolean}. The result is a row
+ * {@code bigint}, {@code int}, {@code double}, {@code boolean} or {@code timestamp} (epoch
+ * microseconds, as a long, from an int64 of epoch milliseconds or a
+ * {@code google.protobuf.Timestamp}). The writer schema may import
+ * {@code google/protobuf/timestamp.proto} and no other file. The result is a row
  * {@code (status, c0, c1, ...)}:
  *
  * <ul>
@@ -46,6 +51,7 @@ public final class ProtobufRow implements UDF3<byte[], String, String, Row> {
   private static final long serialVersionUID = 1L;
   private static final ConcurrentHashMap<String, Descriptor> MESSAGES = new ConcurrentHashMap<>();
   private static final ConcurrentHashMap<String, String[]> REQUESTS = new ConcurrentHashMap<>();
+  private static final FileDescriptor TIMESTAMP = Timestamp.getDescriptor().getFile();
 
   @Override
   public Row call(byte[] value, String descriptor, String request) throws Exception {
@@ -104,8 +110,27 @@ public final class ProtobufRow implements UDF3<byte[], String, String, Row> {
         return v instanceof Integer ? Long.valueOf((Integer) v) : v;
       case "double":
         return v instanceof Float ? Double.valueOf((Float) v) : v;
+      case "timestamp":
+        return micros(v);
       default:
         return v;
+    }
+  }
+
+  /** Epoch microseconds of an int64 of epoch milliseconds or a Timestamp message (NULL if they
+   * do not fit a long). */
+  private static Long micros(Object v) {
+    try {
+      if (v instanceof Long) {
+        return Math.multiplyExact((Long) v, 1000L);
+      }
+      Message m = (Message) v;
+      Descriptor d = m.getDescriptorForType();
+      long seconds = (Long) m.getField(d.findFieldByName("seconds"));
+      int nanos = (Integer) m.getField(d.findFieldByName("nanos"));
+      return Math.addExact(Math.multiplyExact(seconds, 1_000_000L), nanos / 1000);
+    } catch (ArithmeticException e) {
+      return null;
     }
   }
 
@@ -136,7 +161,14 @@ public final class ProtobufRow implements UDF3<byte[], String, String, Row> {
   private static Descriptor load(String descriptor, String name) {
     try {
       FileDescriptorProto proto = FileDescriptorProto.parseFrom(Base64.getDecoder().decode(descriptor));
-      FileDescriptor file = FileDescriptor.buildFrom(proto, new FileDescriptor[0]);
+      FileDescriptor[] imports = new FileDescriptor[proto.getDependencyCount()];
+      for (int i = 0; i < imports.length; i++) {
+        if (!proto.getDependency(i).equals(TIMESTAMP.getName())) {
+          throw new IllegalArgumentException("unsupported import " + proto.getDependency(i));
+        }
+        imports[i] = TIMESTAMP;
+      }
+      FileDescriptor file = FileDescriptor.buildFrom(proto, imports);
       Descriptor message = find(file.getMessageTypes(), name);
       if (message == null || !message.getFullName().equals(name)) {
         throw new IllegalArgumentException("no message " + name + " in the writer schema");
