@@ -126,7 +126,7 @@ def avro_main(args: argparse.Namespace) -> None:
         decode = content.RecordDecoder(throughput.orders_spec(topic, "avro"), registry.url)
         for record in records:
             decode(*record)  # fetches the schemas once
-        deserializer = decode.avro._by_id[sid]  # type: ignore[union-attr]
+        deserializer = decode.decode._by_id[sid]  # type: ignore[union-attr]
         values = [v for _, _, _, v in records if v and v[1:5] == sid.to_bytes(4, "big")]
         values = [v for v in values if _decodes(deserializer, v)]
         writer = deserializer._get_parsed_schema(deserializer._registry.get_schema(sid))
