@@ -16,9 +16,14 @@ the same writer and reader schemas, and it also times the deserializer called wi
 serialization context (which runs the subject's rule machinery per record) against without
 (what :class:`backfill_assets.lake.avro.IndependentDecode` does).
 
+With ``--format protobuf`` it also re-encodes the valid Avro orders as Protobuf (event time a
+``google.protobuf.Timestamp``) and times Python's protobuf parse of the payload (baseline)
+against :class:`backfill_assets.lake.protobuf.IndependentDecode` and the whole RecordDecoder.
+
 Run from the repository root:
     .venv/bin/python bench/decode.py
     .venv/bin/python bench/decode.py --format avro
+    .venv/bin/python bench/decode.py --format protobuf
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import argparse
 import os
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 
 def main() -> None:
@@ -35,9 +40,9 @@ def main() -> None:
     parser.add_argument("--hours", type=int, default=4)
     parser.add_argument("--events-per-hour", type=int, default=5_000)
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--format", choices=("json", "avro"), default="json")
+    parser.add_argument("--format", choices=("json", "avro", "protobuf"), default="json")
     args = parser.parse_args()
-    if args.format == "avro":
+    if args.format in ("avro", "protobuf"):
         avro_main(args)
         return
 
@@ -166,8 +171,70 @@ def avro_main(args: argparse.Namespace) -> None:
         assert json.dumps(deserializer(values[0], None), default=str) == json.dumps(
             deserializer(values[0], ctx), default=str
         )
+        if args.format == "protobuf":
+            rows = [deserializer(v, None) for v in values]
+            rows = [{k: v for k, v in r.items() if not k.startswith("__")} for r in rows]
+            _protobuf(args, settings, rows, timed)
     finally:
         registry.stop()
+
+
+def _protobuf(args: argparse.Namespace, settings: object, rows: list, timed: Callable) -> None:
+    """The same valid orders as Protobuf (``bench.Order``, event_time a Timestamp), registered
+    under ``decode_pb-value``: Python's protobuf parse of the payload (baseline) against
+    :class:`backfill_assets.lake.protobuf.IndependentDecode` and the whole RecordDecoder."""
+    import base64
+
+    import throughput
+    from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, timestamp_pb2
+
+    from backfill_assets.lake import content, protobuf
+
+    file = descriptor_pb2.FileDescriptorProto(name="o.proto", package="bench", syntax="proto3")
+    file.dependency.append("google/protobuf/timestamp.proto")
+    msg = file.message_type.add(name="Order")
+    F = descriptor_pb2.FieldDescriptorProto
+    for i, name in enumerate(rows[0]):
+        kind = F.TYPE_INT64 if name == "amount_minor" else F.TYPE_STRING
+        field = msg.field.add(name=name, number=i + 1, label=F.LABEL_OPTIONAL, type=kind)
+        if name == "event_time":
+            field.type, field.type_name = F.TYPE_MESSAGE, ".google.protobuf.Timestamp"
+    pool = descriptor_pool.DescriptorPool()
+    pool.AddSerializedFile(timestamp_pb2.DESCRIPTOR.serialized_pb)
+    pool.Add(file)
+    cls = message_factory.GetMessageClass(pool.FindMessageTypeByName("bench.Order"))
+    client = SchemaRegistryClient({"url": settings.schema_registry_url})  # type: ignore[attr-defined]
+    text = base64.b64encode(file.SerializeToString()).decode()
+    sid = client.register_schema("decode_pb-value", Schema(text, "PROTOBUF"))
+    values = []
+    for row in rows:
+        m = cls(**{k: v for k, v in row.items() if k != "event_time" and v is not None})
+        m.event_time.FromDatetime(row["event_time"])
+        values.append(b"\x00" + sid.to_bytes(4, "big") + b"\x00" + m.SerializeToString())
+    spec = throughput.orders_spec("decode_pb", "avro").model_copy(
+        update={"format": "protobuf", "subject": "decode_pb-value"}
+    )
+    independent = protobuf.IndependentDecode(spec, settings.schema_registry_url)  # type: ignore[attr-defined]
+    assert independent(values[0]) == content_row(rows[0])
+    decoder = content.RecordDecoder(spec, settings.schema_registry_url)  # type: ignore[attr-defined]
+    records = [(0, i, b"k", v) for i, v in enumerate(values)]
+    print(f"{len(values):,} Protobuf records, best of {args.repeat}:")
+    base = timed(
+        "protobuf FromString of the payload (baseline)", values, lambda v: cls.FromString(v[6:])
+    )
+    mine = timed("IndependentDecode (ProtobufDeserializer + columns)", values, independent)
+    whole = timed("RecordDecoder (decode + content hash)", records, lambda r: decoder(*r))
+    print(
+        f"  IndependentDecode / FromString: {mine / base:.2f}x; RecordDecoder / FromString: "
+        f"{whole / base:.2f}x; load average {os.getloadavg()[0]:.1f}"
+    )
+
+
+def content_row(row: dict) -> dict:
+    """An Avro-decoded order as IndependentDecode gives it (event time in epoch micros)."""
+    epoch = datetime(1970, 1, 1, tzinfo=UTC)
+    return {**row, "event_time": (row["event_time"] - epoch) // timedelta(microseconds=1)}
 
 
 def _decodes(deserializer: Callable[[bytes, None], object], value: bytes) -> bool:
