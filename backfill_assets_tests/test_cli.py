@@ -45,6 +45,7 @@ def test_every_command_is_there() -> None:
         "audit",
         "backfill",
         "catalog",
+        "columns",
         "gaps",
         "generate",
         "jars",

@@ -307,7 +307,9 @@ def test_avro_topic_reads_its_subject(tmp_path: Path) -> None:
     assert load_specs(_save(tmp_path, {"topics": [_avro_topic()]}))[0].format == "avro"
 
 
-def test_json_schema_topic_reads_its_subject_and_keeps_json_versioning(tmp_path: Path) -> None:
+def test_json_schema_topic_reads_its_subject_and_keeps_json_versioning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A json_schema topic: the subject defaults to `<topic>-value`; its payload is JSON read
     by the json format's rules, so the shipped topic's versions and upcasters still apply."""
     doc = yaml.safe_load(SPEC_PATH.read_text())
@@ -318,10 +320,12 @@ def test_json_schema_topic_reads_its_subject_and_keeps_json_versioning(tmp_path:
     assert named.subject == "o-value"
     saved = _save(tmp_path, {"topics": [{**topic, "format": "json_schema"}]})
     assert load_specs(saved)[0].format == "json_schema"
-    # Columns stay declared: a json_schema topic without them is refused.
+    # Without columns, they come from the subject's latest schema (test_registry_columns.py):
+    # with no registry answering, loading says so.
+    monkeypatch.setenv("BACKFILL_SCHEMA_REGISTRY_URL", "http://127.0.0.1:9/apis/ccompat/v7")
     no_columns = {k: v for k, v in topic.items() if k != "columns"}
     error = _error(_save(tmp_path, {"topics": [{**no_columns, "format": "json_schema"}]}))
-    assert "missing required field 'columns'" in error
+    assert "topic 'orders': columns: the schema registry at http://127.0.0.1:9/" in error
 
 
 @pytest.mark.parametrize(

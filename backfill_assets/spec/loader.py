@@ -1,5 +1,8 @@
 """Loading the spec: ``topics.yaml`` parsed into :class:`~backfill_assets.spec.model.TopicSpec`
-objects, every declared table's SQL checked against the columns it reads (without Spark).
+objects, every declared table's SQL checked against the columns it reads (without Spark). A
+registry topic (avro, json_schema, protobuf) that declares no ``columns`` gets its subject's
+latest schema's (:mod:`~backfill_assets.spec.registry_columns`, the only time loading asks the
+schema registry).
 
 A bad field fails loading with one :class:`~backfill_assets.spec.model.SpecError` line per
 problem, naming the file, the topic, the table and the field path.
@@ -14,8 +17,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from backfill_assets.spec import declared
-from backfill_assets.spec.model import SPEC_PATH, SpecError, TopicSpec
+from backfill_assets.spec import declared, registry_columns
+from backfill_assets.spec.model import REGISTRY_FORMATS, SPEC_PATH, SpecError, TopicSpec
+from backfill_assets.spec.registry_columns import ColumnsError
 from backfill_assets.stack.settings import Settings
 
 
@@ -43,11 +47,24 @@ def load_specs(path: Path | None = None) -> list[TopicSpec]:
         name = entry.get("topic") if isinstance(entry, dict) else None
         where = f"{path}: topic {name!r}" if isinstance(name, str) else f"{path}: topics[{i}]"
         try:
+            derived = _with_registry_columns(entry)
+        except ColumnsError as err:
+            problems.append(f"{where}: columns: {err}")
+            continue
+        try:
             specs.append(
-                TopicSpec.model_validate(entry, context={"path": path, "topic": name or ""})
+                TopicSpec.model_validate(derived, context={"path": path, "topic": name or ""})
             )
         except ValidationError as err:
-            problems += [_problem(where, entry, e) for e in err.errors()]
+            found = [_problem(where, derived, e) for e in err.errors()]
+            if derived is not entry:  # say where the columns came from
+                subject = derived.get("subject") or f"{name}-value"
+                found = [
+                    f"{p} (columns derived from the latest schema of subject {subject!r}; "
+                    "declare `columns` to pin them)"
+                    for p in found
+                ]
+            problems += found
     if problems:
         raise SpecError("\n".join(problems))
     names = [s.topic for s in specs]
@@ -55,6 +72,25 @@ def load_specs(path: Path | None = None) -> list[TopicSpec]:
     if dupes:
         raise SpecError(f"{path}: topic(s) listed twice: {', '.join(dupes)}")
     return declared.validate(specs, path)
+
+
+def _with_registry_columns(entry: Any) -> Any:
+    """``entry`` with the columns of its subject's latest schema when it has a registry format
+    and declares none (:mod:`~backfill_assets.spec.registry_columns`); declared columns pin
+    them, and the registry is not asked."""
+    if not isinstance(entry, dict) or "columns" in entry:
+        return entry
+    if entry.get("format") not in REGISTRY_FORMATS or not isinstance(entry.get("topic"), str):
+        return entry
+    subject = entry.get("subject") or f"{entry['topic']}-value"
+    message = entry.get("message")
+    columns = registry_columns.derive_columns(
+        entry["format"],
+        str(subject),
+        Settings.from_env().schema_registry_url,
+        message if isinstance(message, str) else None,
+    )
+    return {**entry, "columns": columns}
 
 
 _LABELS = {"tables": "table", "columns": "column", "measures": "measure"}

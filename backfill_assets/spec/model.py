@@ -294,7 +294,11 @@ class TopicSpec(_Spec):
         description="schema version -> `package.module:function`: its Python reference decode, "
         "which the raw table's decoded_content check compares the stored rows with",
     )
-    columns: Columns = Field(description="the latest schema: every field a record carries")
+    columns: Columns = Field(
+        description="the latest schema: every field a record carries; avro, json_schema, "
+        "protobuf: may be left out, then derived at load from the subject's latest schema in "
+        "the registry (spec/registry_columns.py); declared columns pin them"
+    )
     max_record_bytes: StrictInt = Field(
         default=DEFAULT_MAX_RECORD_BYTES, gt=0, description="key + value above it are quarantined"
     )
