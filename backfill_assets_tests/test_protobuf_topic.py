@@ -30,6 +30,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.lake import protobuf
+from backfill_assets.spec import proto
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.registry import LocalRegistry
 from backfill_assets.stack.settings import Settings
@@ -230,7 +231,7 @@ def _v5(event_id: str, order_id: str, ms: int) -> bytes:
     """A v5 payload (compiled from its text by protoc, with the well-known Timestamp)."""
     from google.protobuf import timestamp_pb2
 
-    file = protobuf.compile_proto(V5_TEXT)
+    file = proto.compile_proto(V5_TEXT)
     assert file is not None
     pool = descriptor_pool.DescriptorPool()
     pool.AddSerializedFile(timestamp_pb2.DESCRIPTOR.serialized_pb)

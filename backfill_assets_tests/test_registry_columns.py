@@ -110,11 +110,13 @@ PROTO_COLUMNS = [
 ]
 PROTO_TEXT = """syntax = "proto3";
 package shop;
+import "google/protobuf/timestamp.proto";
 message Order {
   string event_id = 1;
   int64 amount = 2;
   optional string note = 3;
   bool gift = 4;
+  google.protobuf.Timestamp paid_at = 5;
 }
 """
 JSON_SCHEMA = {
@@ -170,7 +172,8 @@ def test_protobuf_fields_derive_as_columns(registry: LocalRegistry, client: Any)
     assert refund == [_col("refund_id", "string")]
     with pytest.raises(ColumnsError, match=r"no message 'shop\.Nope'"):
         derive_columns("protobuf", subject, registry.url, "shop.Nope")
-    # .proto text (as Java producers register it) is compiled by protoc.
+    # .proto text (as Java producers register it) is compiled by protoc; the well-known
+    # Timestamp is a timestamp column.
     text_subject = f"{_name('proto_text')}-value"
     client.register_schema(text_subject, Schema(PROTO_TEXT, "PROTOBUF"))
     assert derive_columns("protobuf", text_subject, registry.url) == [
@@ -178,6 +181,7 @@ def test_protobuf_fields_derive_as_columns(registry: LocalRegistry, client: Any)
         _col("amount", "bigint"),
         _col("note", "string"),
         _col("gift", "boolean"),
+        _col("paid_at", "timestamp"),
     ]
 
 

@@ -39,11 +39,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.lake import avro
+from backfill_assets.spec import proto
 from backfill_assets.spec.model import TopicSpec
 
 if TYPE_CHECKING:
     from confluent_kafka.schema_registry import SchemaRegistryClient
-    from google.protobuf.descriptor_pb2 import DescriptorProto, FileDescriptorProto
+    from google.protobuf.descriptor_pb2 import FileDescriptorProto
     from pyspark.sql import Column, DataFrame, SparkSession
 
 HEADER = avro.HEADER
@@ -60,10 +61,7 @@ READABLE: dict[str, frozenset[int]] = {
     "boolean": frozenset({8}),
     "timestamp": frozenset({3, 16, 18}),  # epoch milliseconds (or a Timestamp message)
 }
-_MESSAGE = 11
-TIMESTAMP_TYPE = ".google.protobuf.Timestamp"
-# The one file a writer schema may import (protobuf-java and Python's runtime both carry it).
-TIMESTAMP_FILE = "google/protobuf/timestamp.proto"
+TIMESTAMP_TYPE, TIMESTAMP_FILE = proto.TIMESTAMP_TYPE, proto.TIMESTAMP_FILE
 _REPEATED = 3  # FieldDescriptorProto.Label
 _STATUS = {1: "incompatible_schema", 2: "invalid_protobuf"}  # ProtobufRow's status
 
@@ -97,16 +95,6 @@ def lookup(registry: SchemaRegistryClient, sid: int) -> tuple[str, str] | None:
     return str(schema.schema_type or "AVRO"), str(schema.schema_str)
 
 
-def _messages(
-    level: Iterable[DescriptorProto], prefix: str, path: tuple[int, ...]
-) -> Iterable[tuple[str, tuple[int, ...], DescriptorProto]]:
-    """Every message of a file or message, nested ones too: (full name, index path, message)."""
-    for i, msg in enumerate(level):
-        name = f"{prefix}.{msg.name}" if prefix else msg.name
-        yield name, (*path, i), msg
-        yield from _messages(msg.nested_type, name, (*path, i))
-
-
 def judge(spec: TopicSpec, sid: int, found: tuple[str, str] | None) -> Writer:
     """The disposition of schema id ``sid`` whose (type, serialized schema) the registry gave
     (None: the registry has no such id)."""
@@ -114,7 +102,7 @@ def judge(spec: TopicSpec, sid: int, found: tuple[str, str] | None) -> Writer:
         return Writer(sid, reason=f"unknown_schema_id:{sid}")
     incompatible = Writer(sid, reason=f"incompatible_schema:{sid}")
     file = _file(found)
-    chosen = None if file is None else _chosen(spec, file)
+    chosen = None if file is None else proto.chosen(file, spec.message)
     if file is None or chosen is None:
         return incompatible
     name, path, msg = chosen
@@ -131,56 +119,14 @@ def judge(spec: TopicSpec, sid: int, found: tuple[str, str] | None) -> Writer:
 
 
 def _file(found: tuple[str, str]) -> FileDescriptorProto | None:
-    """The writer schema of a registry answer, if it is a Protobuf file without imports: a base64
-    ``FileDescriptorProto`` as the registry gives it for ``format=serialized``, or ``.proto``
-    text (what Java producers register, and what a registry that ignores the format returns),
-    compiled by :func:`compile_proto`."""
-    from google.protobuf.descriptor_pb2 import FileDescriptorProto
-    from google.protobuf.message import DecodeError
-
+    """The writer schema of a registry answer (:func:`backfill_assets.spec.proto.descriptor`), if
+    it is a Protobuf file that imports nothing but the well-known Timestamp."""
     if found[0] != "PROTOBUF":
         return None
-    try:
-        file: FileDescriptorProto | None = FileDescriptorProto.FromString(
-            base64.b64decode(found[1], validate=True)
-        )
-    except (DecodeError, ValueError):
-        file = compile_proto(found[1])
+    file = proto.descriptor(found[1])
     if file is None or set(file.dependency) - {TIMESTAMP_FILE} or not file.message_type:
         return None
     return file
-
-
-def compile_proto(text: str) -> FileDescriptorProto | None:
-    """``.proto`` text compiled to its ``FileDescriptorProto`` by protoc (grpcio-tools' wheel, in
-    this process), or None if protoc refuses it."""
-    import tempfile
-    from pathlib import Path
-
-    import grpc_tools
-    from google.protobuf.descriptor_pb2 import FileDescriptorSet
-    from grpc_tools import protoc
-
-    well_known = Path(grpc_tools.__file__).parent / "_proto"  # google/protobuf/*.proto
-    with tempfile.TemporaryDirectory() as tmp:
-        source, out = Path(tmp) / "writer.proto", Path(tmp) / "writer.desc"
-        source.write_text(text)
-        args = [f"-I{tmp}", f"-I{well_known}", f"--descriptor_set_out={out}", str(source)]
-        code = protoc.main(["protoc", *args])
-        if code != 0 or not out.is_file():
-            return None
-        files = FileDescriptorSet.FromString(out.read_bytes()).file
-    return files[0] if len(files) == 1 else None
-
-
-def _chosen(
-    spec: TopicSpec, file: FileDescriptorProto
-) -> tuple[str, tuple[int, ...], DescriptorProto] | None:
-    """The message the spec reads (``message``, else the file's first) in ``file``."""
-    every = list(_messages(file.message_type, file.package, ()))
-    if spec.message is None:
-        return every[0]
-    return next((m for m in every if m[0] == spec.message), None)
 
 
 def resolve(spec: TopicSpec, url: str, ids: Iterable[int]) -> dict[int, Writer]:

@@ -25,18 +25,17 @@ the columns wanted instead.
 
 from __future__ import annotations
 
-import base64
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from backfill_assets.errors import ErrorKind
+from backfill_assets.spec import proto
 from backfill_assets.spec.model import SpecError
 
 if TYPE_CHECKING:
     from confluent_kafka.schema_registry import RegisteredSchema
-    from google.protobuf.descriptor_pb2 import DescriptorProto, FileDescriptorProto
 
 # The schema type the registry gives each format's subjects (None: Avro, the registry default).
 SCHEMA_TYPES = {"avro": "AVRO", "json_schema": "JSON", "protobuf": "PROTOBUF"}
@@ -230,74 +229,32 @@ def _json_schema(subject: str, text: str) -> Fields:
 
 
 def _protobuf(subject: str, text: str, message: str | None) -> Fields:
-    file = _descriptor(text)
+    file = proto.descriptor(text)
     if file is None:
         raise ColumnsError(
             f"subject {subject!r}: its latest Protobuf schema could not be read (neither a "
             f"serialized FileDescriptorProto nor .proto text protoc compiles): {PIN}"
         )
-    if file.dependency:
+    others = sorted(set(file.dependency) - {proto.TIMESTAMP_FILE})
+    if others:
         raise ColumnsError(
-            f"subject {subject!r}: its latest Protobuf schema imports {list(file.dependency)} "
-            f"(imports are not supported yet): {PIN}"
+            f"subject {subject!r}: its latest Protobuf schema imports {others} (only "
+            f"{proto.TIMESTAMP_FILE} is supported yet): {PIN}"
         )
-    found = _message(file, message)
-    if found is None:
-        names = [n for n, _ in _messages(file.message_type, file.package)]
+    chosen = proto.chosen(file, message)
+    if chosen is None:
+        names = [m[0] for m in proto.messages(file.message_type, file.package)]
         wanted = f"message {message!r}" if message else "a message"
         raise ColumnsError(f"subject {subject!r}: its latest schema has no {wanted} (has {names})")
     columns, unsupported = [], []
-    for field in found.field:
+    for field in chosen[2].field:
         if field.label == _REPEATED:
             unsupported.append((field.name, "is repeated (a list or a map), not a column"))
+        elif field.type_name == proto.TIMESTAMP_TYPE:
+            columns.append(_column(field.name, "timestamp", True))
         elif field.type not in _PROTOBUF:
             kind = _PROTOBUF_NAMES.get(field.type, f"type {field.type}")
             unsupported.append((field.name, f"is {kind}, which is not a column type"))
         else:
             columns.append(_column(field.name, _PROTOBUF[field.type], True))
     return columns, unsupported
-
-
-def _descriptor(text: str) -> FileDescriptorProto | None:
-    """A base64 FileDescriptorProto (``format=serialized``), or .proto text compiled by protoc
-    (a registry that ignores the format returns the text)."""
-    from google.protobuf.descriptor_pb2 import FileDescriptorProto
-    from google.protobuf.message import DecodeError
-
-    try:
-        return FileDescriptorProto.FromString(base64.b64decode(text, validate=True))
-    except (DecodeError, ValueError):
-        return _compile(text)
-
-
-def _compile(text: str) -> FileDescriptorProto | None:
-    import tempfile
-    from pathlib import Path
-
-    from google.protobuf.descriptor_pb2 import FileDescriptorSet
-    from grpc_tools import protoc
-
-    with tempfile.TemporaryDirectory() as tmp:
-        source, out = Path(tmp) / "writer.proto", Path(tmp) / "writer.desc"
-        source.write_text(text)
-        code = protoc.main(["protoc", f"-I{tmp}", f"--descriptor_set_out={out}", str(source)])
-        if code != 0 or not out.is_file():
-            return None
-        files = FileDescriptorSet.FromString(out.read_bytes()).file
-    return files[0] if len(files) == 1 else None
-
-
-def _messages(level: Any, prefix: str) -> list[tuple[str, DescriptorProto]]:
-    """Every message of a file or message, nested ones too, by full name."""
-    found = []
-    for msg in level:
-        name = f"{prefix}.{msg.name}" if prefix else msg.name
-        found += [(name, msg), *_messages(msg.nested_type, name)]
-    return found
-
-
-def _message(file: FileDescriptorProto, message: str | None) -> DescriptorProto | None:
-    every = _messages(file.message_type, file.package)
-    if message is None:
-        return every[0][1] if every else None
-    return next((m for n, m in every if n == message), None)
