@@ -1,6 +1,5 @@
 package backfill_assets.udf;
 
-import com.google.protobuf.ByteString;
 import com.google.protobuf.CodedInputStream;
 import com.google.protobuf.DescriptorProtos.FileDescriptorProto;
 import com.google.protobuf.Descriptors.Descriptor;
@@ -45,29 +44,67 @@ import org.apache.spark.sql.api.java.UDF3;
  *
  * <p>Which field types may be read as which kind was judged on the driver
  * (backfill_assets/lake/protobuf.py) before this is called. A NULL value (a tombstone) gives a
- * NULL row. Parsed descriptors are cached per (descriptor, message); nothing else is stateful.
+ * NULL row. What a (descriptor, request) resolves to is cached, and each thread keeps its last one;
+ * nothing else is stateful.
  */
 public final class ProtobufRow implements UDF3<byte[], String, String, Row> {
   private static final long serialVersionUID = 1L;
-  private static final ConcurrentHashMap<String, Descriptor> MESSAGES = new ConcurrentHashMap<>();
-  private static final ConcurrentHashMap<String, String[]> REQUESTS = new ConcurrentHashMap<>();
   private static final FileDescriptor TIMESTAMP = Timestamp.getDescriptor().getFile();
+  // The last (descriptor, request) this thread read and what it resolved to: a window's values
+  // come in runs of one schema id, so the common case is one equals() per row.
+  private static final ThreadLocal<Plan> LAST = new ThreadLocal<>();
+  private static final ConcurrentHashMap<String, Plan> PLANS = new ConcurrentHashMap<>();
+
+  /** What one (descriptor, request) resolves to: the message, and per column its field (NULL if
+   * the writer schema has none, or it is repeated) and kind. Immutable. */
+  private static final class Plan {
+    final String descriptor;
+    final String request;
+    final Descriptor message;
+    final FieldDescriptor[] fields;
+    final String[] kinds;
+
+    Plan(String descriptor, String request) {
+      this.descriptor = descriptor;
+      this.request = request;
+      String[] lines = request.split("\n", -1);
+      this.message = load(descriptor, lines[0]);
+      this.fields = new FieldDescriptor[lines.length - 1];
+      this.kinds = new String[lines.length - 1];
+      for (int i = 1; i < lines.length; i++) {
+        int tab = lines[i].indexOf('\t');
+        FieldDescriptor field = message.findFieldByName(lines[i].substring(0, tab));
+        fields[i - 1] = field == null || field.isRepeated() ? null : field;
+        kinds[i - 1] = lines[i].substring(tab + 1);
+      }
+    }
+  }
+
+  private static Plan plan(String descriptor, String request) {
+    Plan last = LAST.get();
+    if (last != null && last.descriptor.equals(descriptor) && last.request.equals(request)) {
+      return last;
+    }
+    Plan found = PLANS.computeIfAbsent(request + "\n\n" + descriptor, k -> new Plan(descriptor, request));
+    LAST.set(found);
+    return found;
+  }
 
   @Override
   public Row call(byte[] value, String descriptor, String request) throws Exception {
     if (value == null) {
       return null;
     }
-    String[] lines = REQUESTS.computeIfAbsent(request, r -> r.split("\n", -1));
-    int columns = lines.length - 1;
+    Plan plan = plan(descriptor, request);
+    Descriptor message = plan.message;
+    int columns = plan.fields.length;
     Object[] out = new Object[columns + 1];
-    Descriptor message = MESSAGES.computeIfAbsent(lines[0] + "\n" + descriptor, k -> load(descriptor, lines[0]));
     if (value.length < 6 || value[0] != 0) {
       out[0] = 2;
       return RowFactory.create(out);
     }
     CodedInputStream in = CodedInputStream.newInstance(value, 5, value.length - 5);
-    List<Integer> path = new ArrayList<>();
+    List<Integer> path = new ArrayList<>(2);
     DynamicMessage parsed;
     try {
       int count = in.readSInt32();
@@ -85,21 +122,18 @@ public final class ProtobufRow implements UDF3<byte[], String, String, Row> {
         out[0] = 1;
         return RowFactory.create(out);
       }
-      int start = in.getTotalBytesRead() + 5;
-      parsed = DynamicMessage.parseFrom(message, ByteString.copyFrom(value, start, value.length - start));
+      parsed = DynamicMessage.parseFrom(message, in);
     } catch (IOException | RuntimeException e) {
       out[0] = 2;
       return RowFactory.create(out);
     }
     out[0] = 0;
     for (int i = 0; i < columns; i++) {
-      String line = lines[i + 1];
-      int tab = line.indexOf('\t');
-      FieldDescriptor field = message.findFieldByName(line.substring(0, tab));
-      if (field == null || field.isRepeated() || (field.hasPresence() && !parsed.hasField(field))) {
+      FieldDescriptor field = plan.fields[i];
+      if (field == null || (field.hasPresence() && !parsed.hasField(field))) {
         continue;
       }
-      out[i + 1] = convert(parsed.getField(field), line.substring(tab + 1));
+      out[i + 1] = convert(parsed.getField(field), plan.kinds[i]);
     }
     return RowFactory.create(out);
   }
