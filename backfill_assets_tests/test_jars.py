@@ -59,15 +59,21 @@ def test_unknown_set_lists_the_known_ones() -> None:
 def test_udf_jar_is_built_once_and_named_by_its_sources(
     stack_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The project's JVM functions compile into the cache on first use; a second call reuses
-    the jar, a changed source builds a new one under a new name."""
+    """The project's JVM functions compile into the cache on first use (against pyspark's jars
+    and the spark-formats set, for ProtobufRow's protobuf-java); a second call reuses the jar, a
+    changed source builds a new one under a new name."""
     import zipfile
 
     cache = dataclasses.replace(stack_settings, jar_cache=tmp_path)
+    # The resolved spark-formats set of the session's cache (resolving it again is Maven's job).
+    (tmp_path / "spark-formats").symlink_to(jars.jar_dir(stack_settings, "spark-formats"))
     built = jars.udf_jar(cache)
     assert built.parent == tmp_path / "udf" and built == jars.udf_jar_path(cache)
     with zipfile.ZipFile(built) as jar:
-        assert "backfill_assets/udf/StrictJson.class" in jar.namelist()
+        names = jar.namelist()
+    assert {"backfill_assets/udf/StrictJson.class", "backfill_assets/udf/ProtobufRow.class"} <= set(
+        names
+    )
     stamp = built.stat().st_mtime_ns
     assert jars.udf_jar(cache) == built and built.stat().st_mtime_ns == stamp
     assert not list((tmp_path / "udf").glob("tmp*")), "no build directory left behind"
