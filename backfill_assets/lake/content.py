@@ -61,14 +61,16 @@ _PACK_LONG = _LONG.pack
 
 
 @functools.cache
-def _partition_seed(partition: int) -> int:
+def partition_seed(partition: int) -> int:
+    """XXH64 of the partition (int, 4 bytes) from seed 42: Spark's first step of
+    ``xxhash64(partition, ...)``."""
     return _XXH64(_INT.pack(partition), 42)
 
 
 def position_hash(partition: int, offset: int) -> int:
     """XXH64 of the offset seeded by the partition's hash (unsigned): Spark's
     ``xxhash64(partition, offset)``, the first step of every record's hashes."""
-    return _XXH64(_PACK_LONG(offset), _partition_seed(partition))
+    return _XXH64(_PACK_LONG(offset), partition_seed(partition))
 
 
 def in_sample(partition: int, offset: int, k: int, position: int | None = None) -> bool:
@@ -138,7 +140,7 @@ def _row_hash(
     packers: list[tuple[str, Callable[[Any], bytes]]],
     values: dict[str, Any],
 ) -> int:
-    h = _XXH64(_LONG.pack(offset), _partition_seed(partition))
+    h = _XXH64(_LONG.pack(offset), partition_seed(partition))
     h = _XXH64(_TRUE if tombstone else _FALSE, h)
     for name, pack in packers:
         value = values.get(name)

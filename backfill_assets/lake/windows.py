@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.lake.content import in_sample, position_hash
+from backfill_assets.lake.content import in_sample, partition_seed, position_hash
 from backfill_assets.stack.kafka import through_failover
 
 if TYPE_CHECKING:
@@ -65,6 +65,7 @@ class WindowError(BackfillError):
 
 
 _INT = struct.Struct("<i")
+_PACK_LONG = struct.Struct("<q").pack
 # librdkafka's consume() returns when it has a full batch or when the timeout ends: with a
 # long timeout, every scan shorter than a batch (a small window's) waited for all of it.
 _BATCH, _POLL_S = 10_000, 0.05
@@ -123,11 +124,17 @@ class Cell:
 
     def add(self, offset: int, key: bytes | None, value: bytes | None, partition: int) -> int:
         """Count one record; its position hash (content.position_hash), which the decode's
-        sample reuses."""
+        sample reuses. The scan's per-record path: :func:`_record_hash` is inlined here."""
         self.records += 1
-        self.size += len(key or b"") + len(value or b"")
-        position = position_hash(partition, offset)
-        self.hash_sum += _record_hash(position, key, value)
+        position = h = _XXH64(_PACK_LONG(offset), partition_seed(partition))
+        if key is not None:
+            self.size += len(key)
+            h = _XXH64(key, h)
+        if value is not None:
+            self.size += len(value)
+            h = _XXH64(value, h)
+        h = _XXH64(_BOOL[value is None], _XXH64(_BOOL[key is None], h))
+        self.hash_sum += h - _TWO_64 if h >= _TWO_63 else h
         if value and value[0] == 0 and len(value) >= WIRE_HEADER:
             self.schema_ids.add(int.from_bytes(value[1:WIRE_HEADER], "big"))
         if self.first_offset is None:
@@ -302,8 +309,9 @@ class _Cursor:
         key: bytes | None,
         value: bytes | None,
         cells: list[Cell | None],
-    ) -> None:
-        """Attribute one committed record (in offset order) and find the boundaries it makes."""
+    ) -> bool:
+        """Attribute one committed record (in offset order) and find the boundaries it makes.
+        True when the range's end is known and reached: only then can :attr:`done` be."""
         self.position = offset + 1
         last = len(self.bounds) - 1
         fixed, found = self.fixed, self.found
@@ -335,6 +343,10 @@ class _Cursor:
             position = cell.add(offset, key, value, self.partition)
             if self.decoding is not None:
                 self.decoding.add(cell, self.partition, offset, key, value, position)
+        end = fixed.get(last)
+        if end is None:
+            end = found.get(last)
+        return end is not None and self.position >= end
 
 
 @dataclass
@@ -533,8 +545,7 @@ def _read_archived(
         cur = cursors[p]
         if cur.position < low and archive is not None:
             for offset, ts_ms, key, value in _archived(archive, topic, p, cur.position, low):
-                cur.feed(offset, ts_ms, key, value, cells[p])
-                if cur.done:
+                if cur.feed(offset, ts_ms, key, value, cells[p]) and cur.done:
                     break
             if not cur.done:
                 cur.position = max(cur.position, low)
@@ -698,9 +709,8 @@ def _read_kafka(
                     )
                 offset = msg.offset()
                 assert offset is not None
-                _ts_type, ts_ms = msg.timestamp()
-                cur.feed(offset, ts_ms, msg.key(), msg.value(), cells[p])
-                if cur.done:
+                ts_ms = msg.timestamp()[1]
+                if cur.feed(offset, ts_ms, msg.key(), msg.value(), cells[p]) and cur.done:
                     finished.add(p)
             for p in finished:
                 todo.discard(p)
