@@ -123,6 +123,21 @@ def test_a_history_without_a_per_record_cost_keeps_the_prior_rate() -> None:
     assert "no per-record cost visible" in est.source
 
 
+def test_no_run_costs_more_per_record_than_its_whole_wall() -> None:
+    """One large run (the 3-day north star's raw run of 2026-11-27: 859,929 records, about
+    60 s) is far faster than the prior rate; the prior must not predict its own range at
+    860 s, and a range ten times larger must not be predicted faster."""
+    big = [(859_929.0, 60.0)]
+    same = _predict(history=big, records=859_929, runs=1)
+    assert same.breakdown["raw runs"] <= 60.0 * 1.25
+    assert same.rate == pytest.approx(859_929 / 60.0)
+    assert "capped at" in same.source
+    ten = _predict(history=big, records=8_599_290, runs=1)
+    assert ten.breakdown["raw runs"] > same.breakdown["raw runs"]
+    # Slow runs leave the prior alone: the cap only binds when a run beats it.
+    assert "capped" not in _predict(history=DEMO_RUNS, records=DEMO_7D[0], runs=1).source
+
+
 def test_runs_beyond_the_history_lower_the_confidence() -> None:
     est = _predict(records=50_000)
     assert est.confidence == "medium"

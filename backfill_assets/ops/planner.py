@@ -681,11 +681,20 @@ def _fit(history: list[tuple[float, float]], sample_rate: float) -> tuple[float,
     hundred records apart differ by noise, not by work, and alone they would set any slope
     (the cause of the planner's +66% on 24 h). The fixed cost is then the median of what each
     run left after its records. No history: the default fixed cost, and the slower of the
-    sample read and the prior rate."""
+    sample read and the prior rate.
+
+    A fixed cost is never negative, so no run spent more per record than its whole wall: the
+    slope is capped at the smallest wall per record among the runs. Without that, one large
+    run (a 3-day north star: 859,929 records in about 60 s) left the prior's 0.001 s per
+    record in place and predicted its own range at 860 s."""
     if not history:
         rate = min(sample_rate, 1.0 / PRIOR_S_PER_RECORD) if sample_rate > 0 else 0.0
         return RUN_OVERHEAD_S, rate, "sample read (no earlier runs) + default overhead"
     slope, how = _slope(history)
+    bound = min((w / r for r, w in history if r > 0), default=slope)
+    if slope > bound:
+        slope = bound
+        how += f"; capped at {bound:.2g} s per record, a run's wall over its records"
     overhead = max(0.0, statistics.median(w - slope * r for r, w in history))
     return overhead, 1.0 / slope, f"fit over {len(history)} earlier run(s), {how}"
 
