@@ -473,6 +473,24 @@ def _arrow(cat: Any, namespace: str, table: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _columns(cat: Any, namespace: str, table: str, *fields: str) -> list[list[Any]]:
+    """Only ``fields`` of a table, one Python list per field, timestamps as epoch millis (UTC).
+    A 30-day raw table read whole as one dict per row took more than this machine's 24 GiB
+    beside the truth (eighth pass of bench/README)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    data = cat.load_table(f"{namespace}.{table}").scan(selected_fields=fields).to_arrow()
+    out = []
+    for name in fields:
+        column = data.column(name)
+        if pa.types.is_timestamp(column.type):
+            column = pc.cast(pc.cast(column, pa.timestamp("ms"), safe=False), pa.int64())
+        out.append(column.to_pylist())
+    del data
+    return out
+
+
 def _utc(value: datetime) -> datetime:
     """Iceberg ``timestamp`` (no zone) columns come back naive: they hold UTC."""
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
@@ -517,14 +535,13 @@ def verify(
             missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
             result[name] = f"FAIL: missing {len(missing)} {missing[:3]}, extra {len(extra)}"
 
+    fields = ("kafka_partition", "kafka_offset", "kafka_hour", "kafka_timestamp", "record_hash")
+    parts, offsets, kafka_hours, stamps, hashes = _columns(cat, namespace, spec.raw_table, *fields)
     raw = {
-        (r["kafka_partition"], r["kafka_offset"]): (
-            _ms(r["kafka_hour"]),
-            _ms(r["kafka_timestamp"]),
-            r["record_hash"],
-        )
-        for r in _arrow(cat, namespace, spec.raw_table)
+        (p, o): (h, t, x)
+        for p, o, h, t, x in zip(parts, offsets, kafka_hours, stamps, hashes, strict=True)
     }
+    del parts, offsets, kafka_hours, stamps, hashes
     judge(
         spec.raw_table,
         raw,
@@ -538,18 +555,31 @@ def verify(
             if pos not in history.bad
         },
     )
-    quarantined = {
-        (r["kafka_partition"], r["kafka_offset"])
-        for r in _arrow(cat, namespace, spec.quarantine_table)
-    }
+    quarantined = set(
+        zip(
+            *_columns(cat, namespace, spec.quarantine_table, "kafka_partition", "kafka_offset"),
+            strict=True,
+        )
+    )
     judge(spec.quarantine_table, quarantined, {p for p in history.bad if p in expected_hour})
 
     expected = hostile.expected_current(published)
     judge(
         spec.current_table,
         {
-            r["order_id"]: (r["deleted"], r["kafka_partition"], r["kafka_offset"])
-            for r in _arrow(cat, namespace, spec.current_table)
+            k: (d, p, o)
+            for k, d, p, o in zip(
+                *_columns(
+                    cat,
+                    namespace,
+                    spec.current_table,
+                    "order_id",
+                    "deleted",
+                    "kafka_partition",
+                    "kafka_offset",
+                ),
+                strict=True,
+            )
         },
         {k: (row.deleted, row.record.partition, row.record.offset) for k, row in expected.items()},
     )
