@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import dagster as dg
 import pytest
 
 from backfill_assets.ops import planner
@@ -157,6 +158,65 @@ def test_waves_of_runs_follow_the_concurrency() -> None:
     # 4 runs of 2,000 records, 2 at a time: 2 waves of about 20 s + 20 s.
     assert est.breakdown["raw runs"] == pytest.approx(2 * (est.overhead_s + 2_000 / est.rate))
     assert est.breakdown["raw runs"] == pytest.approx(80.0, rel=0.05)
+
+
+def test_declared_runs_queue_behind_the_raw_runs_and_share_the_slots() -> None:
+    """A 30-day range: 5 raw runs then 5 declared runs, 2 at a time (the 30-day north star of
+    2026-11-27 ran like that). Predicting one declared wall after the raw waves left out 4 of
+    the 5 declared runs."""
+    est = _predict(
+        records=10_000, partitions=720, runs=5, declared_tables=2, declared_runs=5,
+        declared_walls=[100.0],
+    )  # fmt: skip
+    w = est.overhead_s + 2_000 / est.rate  # one raw run, about 40 s
+    d = DECLARED_WAIT_S + RUN_START_S + 100.0  # one declared run, its creation included
+    # Raw runs end at w, w, 2w, 2w, 3w. Declared runs 1 and 3 take the slot freed at 2w, 2
+    # and 4 the one freed at 3w, 5 the first slot free again: 2w + 3d in all.
+    assert est.breakdown["raw runs"] == pytest.approx(3 * w)
+    assert est.breakdown["declared tables"] == pytest.approx(2 * w + 3 * d - 3 * w)
+    assert est.total_s == pytest.approx(sum(est.breakdown.values()))
+
+
+def test_a_declared_run_waits_for_the_raw_runs_it_reads_even_with_free_slots() -> None:
+    est = _predict(
+        records=4_000, partitions=336, runs=2, concurrency=4, declared_tables=1,
+        declared_runs=2, declared_walls=[10.0],
+    )  # fmt: skip
+    # Two slots stay free while the raw runs work: the declared runs still start after them.
+    assert est.breakdown["declared tables"] == pytest.approx(DECLARED_WAIT_S + RUN_START_S + 10.0)
+
+
+def test_the_history_holds_runs_not_a_fixed_number_of_materializations() -> None:
+    """Runs of 168 hours write 168 materializations each: the history still holds every run
+    (a real instance, runs of a partitioned asset)."""
+    hours = dg.HourlyPartitionsDefinition(start_date="2026-06-01-00:00")
+
+    @dg.asset(partitions_def=hours, backfill_policy=dg.BackfillPolicy.single_run())
+    def ranged(context) -> dg.MaterializeResult[None]:  # type: ignore[no-untyped-def]
+        # One result of a ranged run: Dagster records it once per hour of the range. (The
+        # context is left unannotated: Dagster refuses this module's string annotations.)
+        return dg.MaterializeResult(
+            metadata={"run": {"records_read": 1_000 * len(context.partition_keys)}}
+        )
+
+    keys = hours.get_partition_keys(
+        dynamic_partitions_store=None, current_time=datetime(2026, 6, 30, tzinfo=UTC)
+    )
+    with dg.DagsterInstance.ephemeral() as instance:
+        for first in (0, 168, 336, 504):
+            result = dg.materialize(
+                [ranged],
+                instance=instance,
+                tags={
+                    "dagster/asset_partition_range_start": keys[first],
+                    "dagster/asset_partition_range_end": keys[first + 167],
+                },
+            )
+            assert result.success
+        assert len(instance.fetch_materializations(ranged.key, limit=1_000).records) == 4 * 168
+        history = planner._history(instance, ranged.key)
+    assert len(history) == 4
+    assert sorted(h["records"] for h in history.values()) == [168_000.0] * 4
 
 
 def test_without_history_the_defaults_are_said_to_be_defaults() -> None:

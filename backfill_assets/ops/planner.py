@@ -8,6 +8,7 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -62,6 +63,11 @@ EXTRAPOLATION = 3.0
 PRIOR_S_PER_RECORD = 0.001
 PRIOR_FACTOR = 3.0
 NOISE_FLOOR_S = 5.0
+# The planner learns from the newest HISTORY_RUNS runs of each table, read from at most
+# HISTORY_PAGES pages of HISTORY_PAGE materializations.
+HISTORY_RUNS = 20
+HISTORY_PAGE = 500
+HISTORY_PAGES = 10
 COST_YELLOW_BYTES = 10 * 2**30
 COST_RED_BYTES = 100 * 2**30
 
@@ -275,9 +281,16 @@ def _estimate(
     sample_rate: float,
 ) -> Estimate:
     """:func:`predict` fed from the instance's history of the raw and declared tables' runs."""
-    declared_tables = [key for keys, _, _ in backfill_ranges(spec, start, end)[1:] for key in keys]
+    declared = backfill_ranges(spec, start, end)[1:]
+    declared_tables = [key for keys, _, _ in declared for key in keys]
+    # The backfill daemon puts a range's tables in the same runs, cut at the policy's size.
+    per_run = BACKFILL_POLICY.max_partitions_per_run or 1
+    declared_runs = sum(
+        math.ceil(hours / per_run)
+        for hours in {int((e - s) / timedelta(hours=1)) for _, s, e in declared}
+    )
     # The declared tables' runs (one run may hold several of them: each run counts once).
-    declared_runs = {
+    walls = {
         run_id: h["wall_s"]
         for key in declared_tables
         for run_id, h in (_history(instance, key).items() if instance is not None else [])
@@ -292,7 +305,8 @@ def _estimate(
         history=[(h["records"], h["wall_s"]) for h in per_run_history],
         sample_rate=sample_rate,
         declared_tables=len(declared_tables),
-        declared_walls=list(declared_runs.values())[:20],
+        declared_walls=list(walls.values())[:20],
+        declared_runs=declared_runs,
     )
 
 
@@ -325,6 +339,7 @@ def predict(
     declared_walls: list[float],
     daemon_pass: float | None = None,
     now: float = 0.0,
+    declared_runs: int = 1,
 ) -> Estimate:
     """Launch-to-published seconds of a range launched at ``now`` (epoch seconds), phase by
     phase.
@@ -333,12 +348,13 @@ def predict(
     current-state table included); a line through them, its slope pulled towards a prior
     while they leave it uncertain (:func:`_fit`), gives the fixed seconds per run and the
     records per second. ``declared_walls`` are earlier runs of the declared tables the range
-    also materializes (``declared_tables`` of them, launched together after the raw runs).
+    also materializes (``declared_tables`` of them, in ``declared_runs`` runs). The runs are
+    laid out as the run queue starts them (:func:`_schedule`): ``concurrency`` at a time, in
+    the order they were queued, each declared run after the raw runs whose hours it reads.
     ``daemon_pass`` is when the backfill daemon last started a pass, if known recently: a
     backfill's first runs then wait until the daemon's next pass, otherwise 15 s on average."""
     overhead, rate, source = _fit(history, sample_rate)
     single = partitions == 1
-    waves = math.ceil(runs / max(1, concurrency))
     per_run = records / runs
     if daemon_pass is not None and not 0 <= now - daemon_pass <= DAEMON_PHASE_MAX_AGE_S:
         daemon_pass = None
@@ -346,13 +362,16 @@ def predict(
     # seconds from now to the backfill daemon's next pass
     wait = DAEMON_WAIT_S if daemon_pass is None else (daemon_pass - now) % DAEMON_PERIOD_S
     launch = RUN_START_S if single else wait + RUN_START_S
-    breakdown = {
-        "launch": launch,
-        "raw runs": waves * (overhead + (per_run / rate if rate > 0 else 0.0)),
-    }
+    raw_wall = overhead + (per_run / rate if rate > 0 else 0.0)
+    declared_wall = statistics.median(declared_walls) if declared_walls else DECLARED_RUN_S
+    raw_end, declared_end = _schedule(
+        [raw_wall] * runs,
+        [DECLARED_WAIT_S + RUN_START_S + declared_wall] * (declared_runs if declared_tables else 0),
+        concurrency,
+    )
+    breakdown = {"launch": launch, "raw runs": raw_end}
     if declared_tables:
-        wall = statistics.median(declared_walls) if declared_walls else DECLARED_RUN_S
-        breakdown["declared tables"] = DECLARED_WAIT_S + RUN_START_S + wall
+        breakdown["declared tables"] = declared_end - raw_end
     confidence, basis = _confidence(history, overhead, rate, per_run)
     if declared_tables and not declared_walls:
         basis += f"; declared tables: default {DECLARED_RUN_S:.0f}s per run (no earlier runs)"
@@ -376,6 +395,26 @@ def predict(
         confidence=confidence,
         basis=basis,
     )
+
+
+def _schedule(raw: list[float], declared: list[float], concurrency: int) -> tuple[float, float]:
+    """(when the last raw run ends, when the last run ends), in seconds from the first run's
+    start: the runs take ``concurrency`` slots in order, raw runs first (the backfill queues
+    them at once); declared run ``i`` (its wait for creation included) starts once raw runs
+    ``0..i+1`` ended, the ones holding its event hours and the hours its lateness reaches into.
+    A 30-day north star (5 raw and 5 declared runs, 2 at a time) ran like that."""
+    slots = [0.0] * max(1, concurrency)
+    raw_ends = []
+    for wall in raw:
+        slot = slots.index(min(slots))
+        slots[slot] += wall
+        raw_ends.append(slots[slot])
+    raw_end = max(raw_ends, default=0.0)
+    for i, wall in enumerate(declared):
+        ready = max(raw_ends[: i + 2], default=0.0)
+        slot = slots.index(min(slots))
+        slots[slot] = max(slots[slot], ready) + wall
+    return raw_end, max([raw_end, *slots]) if declared else raw_end
 
 
 def _confidence(
@@ -647,10 +686,15 @@ def _daemon_pass(instance: dg.DagsterInstance) -> float | None:
 
 def _history(instance: dg.DagsterInstance, key: dg.AssetKey) -> dict[str, dict[str, float]]:
     """Per recent run that materialized ``key``: records read (the run's total, -1 when its
-    materializations do not say), wall time (RUN_START to the run's end) and write ratio."""
-    result = instance.fetch_materializations(key, limit=200)
+    materializations do not say), wall time (RUN_START to the run's end) and write ratio.
+
+    A run writes one materialization per hour (168 for a 7-day run): the records are read a
+    page at a time until HISTORY_RUNS runs are known, not a fixed number of records (200 of
+    them held only 2 of a 30-day backfill's 5 raw runs)."""
     per_run: dict[str, dict[str, float]] = {}
-    for record in result.records:
+    for record in _materializations(instance, key):
+        if len(per_run) >= HISTORY_RUNS and record.run_id not in per_run:
+            break
         mat = record.asset_materialization
         if mat is None or record.run_id in per_run:
             continue
@@ -671,6 +715,18 @@ def _history(instance: dg.DagsterInstance, key: dg.AssetKey) -> dict[str, dict[s
             else 0.0,
         }
     return per_run
+
+
+def _materializations(instance: dg.DagsterInstance, key: dg.AssetKey) -> Iterator[Any]:
+    """``key``'s materialization records, newest first, HISTORY_PAGE at a time (at most
+    HISTORY_PAGES pages)."""
+    cursor = None
+    for _ in range(HISTORY_PAGES):
+        result = instance.fetch_materializations(key, limit=HISTORY_PAGE, cursor=cursor)
+        yield from result.records
+        if not result.has_more:
+            return
+        cursor = result.cursor
 
 
 def _fit(history: list[tuple[float, float]], sample_rate: float) -> tuple[float, float, str]:
