@@ -7,7 +7,7 @@ import dataclasses
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 import pytest
@@ -15,6 +15,7 @@ import pytest
 from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.defs.definitions import SPECS
 from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate, plan_events
+from backfill_assets.lake import derived
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
@@ -101,6 +102,51 @@ def test_hourly_aggregate_equals_ground_truth(world: World, spark_session: Spark
         )
         for r in rows
     } == expected
+
+
+def _hourly(spark: SparkSession, world: World) -> dict[tuple[str, str], tuple[int, int]]:
+    rows = spark.table(f"{world.ns}.{hourly_table(world.spec)}").collect()
+    return {
+        (r["event_hour"].astimezone(UTC).isoformat(), r["currency"]): (
+            r["events"],
+            r["amount_minor"],
+        )
+        for r in rows
+    }
+
+
+def test_a_runs_declared_tables_build_the_events_relation_once(
+    world: World, spark_session: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both declared tables of the topic in ONE run read the same pinned snapshot over the same
+    hours: the events relation (the winning version of every event id, from the whole raw
+    table) is built for the first and reused by the second; other hours build their own."""
+    built: list[tuple[datetime, datetime]] = []
+    real = derived.events_in
+
+    def counting(*args: Any) -> Any:
+        built.append((args[3], args[4]))
+        return real(*args)
+
+    monkeypatch.setattr(derived, "events_in", counting)  # counts, then builds the real relation
+    derived.release_shared_events()
+    tables = [hourly_table(world.spec), f"{world.spec.topic}_large_paid"]
+    result = _run(world, tables, "2026-04-01-00:00", "2026-04-01-04:00")
+    assert result.success, result.all_events
+    checks = result.get_asset_check_evaluations()
+    assert checks and all(c.passed for c in checks), checks
+    assert built == [(START, START + timedelta(hours=5))]
+    assert {
+        (hour, cur): (v["events"], v["amount_minor"])
+        for hour, by_cur in world.truth.event_hours.items()
+        if START <= datetime.fromisoformat(hour) < START + timedelta(hours=5)
+        for cur, v in by_cur.items()
+    } == _hourly(spark_session, world)
+
+    # Other hours: a relation of their own, again shared by the run's two tables.
+    result = _run(world, tables, "2026-04-01-01:00", "2026-04-01-02:00")
+    assert result.success, result.all_events
+    assert built[1:] == [(START + timedelta(hours=1), START + timedelta(hours=3))]
 
 
 def _expected_state(config: GeneratorConfig) -> dict[str, tuple[bool, str | None]]:

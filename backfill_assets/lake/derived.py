@@ -28,6 +28,7 @@ function returns the branch and the audit outcomes it computed on that branch.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -352,21 +353,75 @@ def _register_relations(
     """Register each relation ``table`` reads as a temporary view under its spec name; return
     the frames by name and the conflicting event ids counted. Appends to ``views`` and
     ``persisted`` as it goes, so the caller releases whatever was registered if one fails."""
-    from pyspark.sql import functions as F
 
     conflicts = 0
     frames: dict[str, DataFrame] = {}
     for ref in table.refs:
-        frame = _relation(spark, ref, inputs.sources, inputs.known, start, end, inputs.idents)
         if inputs.known[ref].kind == "events":
-            frame = frame.persist()
-            persisted.append(frame)
-            conflicts += frame.where(F.col("_versions") > 1).count()
+            frame, n = _events(spark, ref, inputs, start, end, persisted)
+            conflicts += n
             frame = frame.drop("_versions")
+        else:
+            frame = _relation(spark, ref, inputs.sources, inputs.known, start, end, inputs.idents)
         frames[ref] = frame
         frame.createOrReplaceTempView(ref)
         views.append(ref)
     return frames, conflicts
+
+
+@dataclass
+class _SharedEvents:
+    spark: SparkSession
+    key: tuple[str, datetime, datetime]  # (pinned snapshot identifier, start, end)
+    frame: DataFrame
+    conflicts: int
+
+
+# The events relation last built from a pinned snapshot, kept for the run's next declared table.
+_shared: list[_SharedEvents] = []
+
+
+def _events(
+    spark: SparkSession,
+    ref: str,
+    inputs: _Inputs,
+    start: datetime,
+    end: datetime,
+    persisted: list[DataFrame],
+) -> tuple[DataFrame, int]:
+    """The events relation ``ref`` over ``[start, end)``, persisted, and how many of its event
+    ids have conflicting versions. Read from a pinned snapshot (immutable), it is kept after
+    the table's run and reused by the next declared table asking for the same snapshot and
+    hours (a run's tables run one after another in its process): built once per run, not once
+    per table. Anything else is built for the table alone (appended to ``persisted``)."""
+    from pyspark.sql import functions as F
+
+    ident = inputs.idents[ref]
+    key = (ident, start, end)
+    pinned = ".snapshot_id_" in ident
+    if pinned and _shared and _shared[0].spark is spark and _shared[0].key == key:
+        return _shared[0].frame, _shared[0].conflicts
+    frame = _relation(spark, ref, inputs.sources, inputs.known, start, end, inputs.idents)
+    frame = frame.persist()
+    try:
+        conflicts = frame.where(F.col("_versions") > 1).count()
+    except BaseException:
+        frame.unpersist()
+        raise
+    if not pinned:
+        persisted.append(frame)
+        return frame, conflicts
+    release_shared_events()
+    _shared.append(_SharedEvents(spark, key, frame, conflicts))
+    return frame, conflicts
+
+
+def release_shared_events() -> None:
+    """Unpersist the kept events relation, if any (nothing to do when its session is gone)."""
+    while _shared:
+        kept = _shared.pop()
+        with contextlib.suppress(Exception):  # a stopped session has dropped its cache
+            kept.frame.unpersist()
 
 
 def _declared_result(
