@@ -251,3 +251,124 @@ def test_other_version_hours_follows_its_definition(spark_session: SparkSession)
         expected = _other_version_hours_by_definition(rows, start, end)
         assert expected, "the generated versions must move some events"
         assert other_version_hours(spark_session, spec, view, start, end) == expected
+
+
+_RAW_COLUMNS = (
+    "event_id string, order_id string, customer_id string, event_type string, status string, "
+    "amount_minor bigint, currency string, channel string, event_time timestamp, "
+    "kafka_timestamp timestamp, kafka_partition int, kafka_offset bigint, "
+    "kafka_hour timestamp, is_tombstone boolean"
+)
+# 2026-11-01 05:00 and 06:00 UTC are both 01:00 in New York (the session's zone, conftest): a
+# Kafka hour collected as a local datetime and sent back as a literal loses one of them.
+_FALL_BACK = datetime(2026, 11, 1, tzinfo=UTC)
+
+
+def _hostile_raw_rows(seed: int) -> list[tuple[Any, ...]]:
+    """Raw rows of 12 Kafka hours around New York's fall-back, each key's events within about
+    two hours of each other (so the winners of a window's keys sit in its hours and the next):
+    ids with versions in several hours (identical re-sends, corrections, some moved to another
+    key two hours later), skewed and missing event times, tombstones."""
+    import random
+
+    rng = random.Random(seed)
+    rows: list[tuple[Any, ...]] = []
+    for offset in range(600):
+        hour = rng.randrange(12)
+        number = hour * 3 + rng.randrange(6)
+        key = f"o{number}"
+        if rng.random() < 0.08:  # a correction moving the event to a key of its own, later
+            key, hour = f"o{number + 100}", min(hour + 2, 11)
+        kafka_hour = _FALL_BACK + timedelta(hours=hour)
+        kafka_ts = kafka_hour + timedelta(minutes=rng.randrange(60))
+        place = (kafka_ts, offset % 3, offset, kafka_hour)
+        if rng.random() < 0.04:
+            rows.append((None, key, *[None] * 7, *place, True))
+            continue
+        skew = timedelta(minutes=rng.randrange(-150, 60))
+        event = None if rng.random() < 0.03 else kafka_ts + skew
+        status = rng.choice(["placed", "paid"]) if rng.random() < 0.3 else "placed"
+        event_id = f"e{number}-{rng.randrange(4)}"
+        payload = (event_id, key, "c1", "order", status, 100 + number, "EUR", "web", event)
+        rows.append((*payload, *place, False))
+    return rows
+
+
+def _winners_by_definition(rows: list[tuple[Any, ...]]) -> dict[str, tuple[Any, ...]]:
+    """Per event id, its version with the highest (Kafka time, partition, offset)."""
+    best: dict[str, tuple[Any, ...]] = {}
+    for row in rows:
+        if row[13]:
+            continue
+        if row[0] not in best or row[9:12] > best[row[0]][9:12]:
+            best[row[0]] = row
+    return best
+
+
+def _current_by_definition(
+    rows: list[tuple[Any, ...]], start: datetime, end: datetime
+) -> dict[str, tuple[int, int] | None]:
+    """Per key with a row in Kafka hours [start, end): the position of the latest of the
+    winners holding that key and its tombstones (None: no row left)."""
+    touched = {row[1] for row in rows if start <= row[12] < end}
+    candidates = [*_winners_by_definition(rows).values(), *(r for r in rows if r[13])]
+    out: dict[str, tuple[int, int] | None] = {}
+    for key in touched:
+        mine = [r for r in candidates if r[1] == key]
+        latest = max(mine, key=lambda r: (r[8] or r[9], r[9], r[10], r[11]), default=None)
+        out[key] = None if latest is None else (latest[10], latest[11])
+    return out
+
+
+def _events_by_definition(
+    rows: list[tuple[Any, ...]], start: datetime, end: datetime
+) -> dict[str, tuple[int, int, int]]:
+    """Per event id with a version of event time in [start, end) whose winner is there too:
+    the winner's position and how many distinct contents its versions have."""
+    winners = _winners_by_definition(rows)
+    out = {}
+    for event_id, win in winners.items():
+        if win[8] is None or not start <= win[8] < end:
+            continue
+        contents = {r[:9] for r in rows if r[0] == event_id and not r[13]}
+        out[event_id] = (win[10], win[11], len(contents))
+    return out
+
+
+def test_winners_are_read_from_every_kafka_hour_across_a_clock_change(
+    spark_session: SparkSession,
+) -> None:
+    """The current-state source finds its winners with a narrow scan and reads whole rows only
+    from the Kafka hours holding them, the events relation reads every hour: a winner in any
+    hour (both 01:00s of New York's fall-back included, a correction moved to another key) is
+    still the one picked."""
+    from pyspark.sql import functions as F
+
+    rows = _hostile_raw_rows(seed=11)
+    raw, state = f"raw_{uuid.uuid4().hex[:8]}", f"state_{uuid.uuid4().hex[:8]}"
+    spark_session.createDataFrame(rows, _RAW_COLUMNS).createOrReplaceTempView(raw)
+    spark_session.createDataFrame(
+        [], "order_id string, kafka_hour timestamp"
+    ).createOrReplaceTempView(state)
+    spec = SPECS[0]
+    held: set[tuple[int, int]] = set()
+    for first, last in ((5, 6), (6, 7), (0, 12), (8, 10)):
+        start, end = _FALL_BACK + timedelta(hours=first), _FALL_BACK + timedelta(hours=last)
+        source = derived._current_source(
+            spark_session, spec, raw, spark_session.table(raw), state, start, end
+        )
+        got = {
+            r["order_id"]: None if r["_gone"] else (r["kafka_partition"], r["kafka_offset"])
+            for r in source.collect()
+        }
+        expected = _current_by_definition(rows, start, end)
+        assert got == expected, (first, last)
+        held.update(p for p in expected.values() if p is not None)
+        events = derived.events_in(spark_session, spec, raw, start, end).select(
+            "event_id", "kafka_partition", "kafka_offset", F.col("_versions")
+        )
+        assert {r[0]: tuple(r[1:]) for r in events.collect()} == _events_by_definition(
+            rows, start, end
+        ), (first, last)
+    hours = {row[12] for row in rows if (row[10], row[11]) in held}
+    assert {_FALL_BACK + timedelta(hours=5), _FALL_BACK + timedelta(hours=6)} <= hours
