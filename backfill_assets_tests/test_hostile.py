@@ -18,9 +18,9 @@ import pytest
 from confluent_kafka import Consumer, IsolationLevel, KafkaError, TopicPartition
 
 # OffsetSpec is public but only implicitly re-exported.
-from confluent_kafka.admin import AdminClient, OffsetSpec  # type: ignore[attr-defined]
+from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ignore[attr-defined]
 
-from backfill_assets.demo.generator import partition_for
+from backfill_assets.demo.generator import TOPIC_CONFIGS, partition_for
 from backfill_assets.errors import GeneratorError
 from backfill_assets.lake.windows import record_hash as windows_record_hash
 from backfill_assets.spec.loader import load_specs
@@ -762,3 +762,73 @@ def test_compacted_topic_truth_comes_from_the_log(
     # A compacted topic must be new.
     with pytest.raises(GeneratorError, match="could not create compacted topic"):
         create_topic(stack_settings, config)
+
+
+def test_a_partition_whose_first_segment_the_cleaner_emptied_keeps_its_records(
+    stack_settings: Settings,
+) -> None:
+    """Once the log cleaner has emptied a compacted partition's first segment, the broker
+    answers ListOffsets by time with -1 (it searches only the first segment whose largest
+    timestamp reaches the time, and an empty segment counts its file's modification time):
+    the hour's window must still hold the surviving records, not start at the end."""
+    from confluent_kafka import Producer
+
+    from backfill_assets.lake import windows as offset_windows
+    from backfill_assets.stack.kafka import KafkaClient
+    from backfill_assets_tests.support.hostile import COMPACTED_TOPIC_CONFIGS
+
+    client = KafkaClient(stack_settings)
+    topic = f"emptied-{uuid.uuid4().hex[:8]}"
+    admin = client.admin()
+    created = admin.create_topics(
+        [NewTopic(topic, 1, 1, config={**TOPIC_CONFIGS, **COMPACTED_TOPIC_CONFIGS})]
+    )
+    created[topic].result()
+    hour = datetime(2026, 8, 10, tzinfo=UTC)
+    producer = Producer(stack_settings.kafka.client_config())
+    for n in range(30):  # 6 versions of 5 keys: only the last 5 survive compaction
+        at = hour + timedelta(minutes=n)
+        producer.produce(topic, key=f"k{n % 5}".encode(), value=b"v%d" % n, timestamp=ms(at))
+        producer.flush()
+        time.sleep(0.15)
+    segments = stack_settings.kafka_data_dir / "logs" / f"{topic}-0"
+    deadline = time.monotonic() + 120
+    while True:
+        sizes = [f.stat().st_size for f in sorted(segments.glob("*.log"))]
+        if sizes and sizes[0] == 0 and any(sizes[1:]):
+            break
+        assert time.monotonic() < deadline, f"the cleaner emptied no first segment: {sizes}"
+        time.sleep(1)
+    survivors = _offsets_in_log(stack_settings, topic)
+    assert 0 < len(survivors) < 30
+    got = offset_windows.scan(client, topic, hour, hour + timedelta(hours=1))
+    cell = got.cells[hour][0]
+    assert (cell.records, cell.first_offset, cell.last_offset) == (
+        len(survivors),
+        survivors[0],
+        survivors[-1],
+    )
+
+
+def _offsets_in_log(settings: Settings, topic: str) -> list[int]:
+    """The offsets partition 0 of ``topic`` still holds (read_committed), in order."""
+    consumer = Consumer(
+        {
+            **settings.kafka.client_config(),
+            "group.id": f"log-{uuid.uuid4().hex[:6]}",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+        }
+    )
+    try:
+        low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
+        consumer.assign([TopicPartition(topic, 0, low)])
+        offsets: list[int] = []
+        while not offsets or offsets[-1] < high - 1:
+            msg = consumer.poll(10)
+            assert msg is not None, f"partition 0 of {topic} ended at {offsets[-1:]}, not {high}"
+            if msg.error() is None:
+                offsets.append(int(msg.offset() or 0))
+        return offsets
+    finally:
+        consumer.close()

@@ -9,7 +9,8 @@ Hour H of a topic is, per partition, a fixed offset range ``[start, end)``. The 
   of the first *committed* record at or after the previous boundary whose Kafka timestamp is
   >= T (Kafka's ListOffsets-by-timestamp rule, applied to committed data records only: the
   broker's own answer is used as a starting hint, since it may point at a transaction marker,
-  which carries the broker's wall-clock time).
+  which carries the broker's wall-clock time; its "none" is checked against the partition's
+  newest timestamp, since a segment the log cleaner emptied makes it say "none" wrongly).
 * **Sealed.** A boundary exists only when such a record is below the last stable offset (LSO).
   A partition without one is *idle* if no transaction is open (LSO == high watermark) and T
   ended at least ``seal_grace_s`` ago: the boundary is then the LSO. Otherwise the hour is not
@@ -495,7 +496,7 @@ def _start_positions(
     hint for ``first`` (or the archive's, below Kafka's log start). Raises :class:`WindowError`
     before anything is read if some offsets the window may include are in neither."""
     parts = sorted(cursors)
-    hints = _hints(kafka, topic, [p for p in parts if 0 not in cursors[p].fixed], first)
+    hints = _hints(kafka, topic, [p for p in parts if 0 not in cursors[p].fixed], first, ends)
     missing: dict[int, tuple[int, int]] = {}
     for p in parts:
         low, lso, _hw = ends[p]
@@ -719,9 +720,22 @@ def _read_kafka(
         consumer.close()
 
 
-def _hints(kafka: KafkaClient, topic: str, parts: list[int], at: datetime) -> dict[int, int]:
+def _hints(
+    kafka: KafkaClient,
+    topic: str,
+    parts: list[int],
+    at: datetime,
+    ends: Mapping[int, tuple[int, int, int]],
+) -> dict[int, int]:
     """The broker's ListOffsets answer for ``at`` (read_committed): a lower bound of the first
-    committed record at or after it (-1 where none is below the LSO)."""
+    committed record at or after it (-1 where none is below the LSO).
+
+    Kafka's -1 is checked. The broker searches only the first segment whose largest timestamp
+    reaches ``at``, and a segment the log cleaner emptied counts its file's modification time
+    as its largest timestamp: a compacted partition then answers -1 for every earlier time
+    while later segments hold records at or after it. Where -1 contradicts the partition's
+    record with the largest timestamp (at or after ``at``, between the log start and the LSO),
+    the hint is the log start, and reading from there finds the boundary."""
     if not parts:
         return {}
     from confluent_kafka import TopicPartition
@@ -736,7 +750,12 @@ def _hints(kafka: KafkaClient, topic: str, parts: list[int], at: datetime) -> di
         finally:
             consumer.close()
 
-    return through_failover(f"ListOffsets by time of topic {topic!r}", ask)
+    hints = through_failover(f"ListOffsets by time of topic {topic!r}", ask)
+    doubtful = [p for p, offset in hints.items() if offset < 0 and ends[p][0] < ends[p][1]]
+    for p, (offset, ts_ms) in kafka.newest_records(topic, doubtful).items():
+        if ts_ms >= _ms(at) and ends[p][0] <= offset < ends[p][1]:
+            hints[p] = ends[p][0]
+    return hints
 
 
 def _unknown(position: int, low: int, covered: list[tuple[int, int]]) -> tuple[int, int] | None:

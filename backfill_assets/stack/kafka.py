@@ -136,6 +136,33 @@ class KafkaClient:
                 out[tp.partition][slot] = int(future.result().offset)
         return {p: (v[0], v[1], v[2]) for p, v in out.items()}
 
+    def newest_records(self, topic: str, parts: list[int]) -> dict[int, tuple[int, int]]:
+        """Per partition of ``parts``, (offset, timestamp ms) of its committed record with the
+        largest timestamp (ListOffsets MAX_TIMESTAMP; (-1, -1) for an empty partition).
+        Retried while a broker fails over."""
+        return through_failover(
+            f"ListOffsets (max timestamp) of topic {topic!r}",
+            lambda: self._newest_records(topic, parts),
+        )
+
+    def _newest_records(self, topic: str, parts: list[int]) -> dict[int, tuple[int, int]]:
+        from confluent_kafka import IsolationLevel
+        from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
+
+        if not parts:
+            return {}
+        admin = self.admin()  # kept until the futures are done: a dropped client cancels them
+        futures = admin.list_offsets(
+            {TopicPartition(topic, p): OffsetSpec.max_timestamp() for p in parts},  # type: ignore[no-untyped-call]
+            isolation_level=IsolationLevel.READ_COMMITTED,
+            request_timeout=self.request_timeout_s,
+        )
+        out = {}
+        for tp, future in futures.items():
+            info = future.result()
+            out[tp.partition] = (int(info.offset), int(info.timestamp))
+        return out
+
     def partitions(self, topic: str) -> list[int]:
         """The topic's partitions. Every offset look-up starts here, so this is where a broker
         that refuses our credentials fails the run at once, naming the broker, instead of
