@@ -764,31 +764,33 @@ def test_compacted_topic_truth_comes_from_the_log(
         create_topic(stack_settings, config)
 
 
-def test_a_partition_whose_first_segment_the_cleaner_emptied_keeps_its_records(
-    stack_settings: Settings,
-) -> None:
-    """Once the log cleaner has emptied a compacted partition's first segment, the broker
-    answers ListOffsets by time with -1 (it searches only the first segment whose largest
-    timestamp reaches the time, and an empty segment counts its file's modification time):
-    the hour's window must still hold the surviving records, not start at the end."""
+EMPTIED_HOUR = datetime(2026, 8, 10, tzinfo=UTC)
+
+
+@pytest.fixture(scope="module")
+def emptied_topic(stack_settings: Settings) -> tuple[str, list[int]]:
+    """A compacted topic whose first segment the log cleaner has emptied, and the offsets it
+    still holds: 30 records 6 minutes apart from ``EMPTIED_HOUR``, versions of 5 keys but for
+    5 unique keys in the second hour; the survivors are offsets 10-14 (second hour) and the
+    last versions (third hour). Kafka then answers ListOffsets by time with -1 for every
+    earlier time: it searches only the first segment whose largest timestamp reaches the time,
+    and an empty segment counts its file's modification time."""
     from confluent_kafka import Producer
 
-    from backfill_assets.lake import windows as offset_windows
     from backfill_assets.stack.kafka import KafkaClient
     from backfill_assets_tests.support.hostile import COMPACTED_TOPIC_CONFIGS
 
-    client = KafkaClient(stack_settings)
     topic = f"emptied-{uuid.uuid4().hex[:8]}"
-    admin = client.admin()
+    admin = KafkaClient(stack_settings).admin()
     created = admin.create_topics(
         [NewTopic(topic, 1, 1, config={**TOPIC_CONFIGS, **COMPACTED_TOPIC_CONFIGS})]
     )
     created[topic].result()
-    hour = datetime(2026, 8, 10, tzinfo=UTC)
     producer = Producer(stack_settings.kafka.client_config())
-    for n in range(30):  # 6 versions of 5 keys: only the last 5 survive compaction
-        at = hour + timedelta(minutes=n)
-        producer.produce(topic, key=f"k{n % 5}".encode(), value=b"v%d" % n, timestamp=ms(at))
+    for n in range(30):
+        key = f"u{n}" if 10 <= n < 15 else f"k{n % 5}"
+        at = EMPTIED_HOUR + timedelta(minutes=6 * n)
+        producer.produce(topic, key=key.encode(), value=b"v%d" % n, timestamp=ms(at))
         producer.flush()
         time.sleep(0.15)
     segments = stack_settings.kafka_data_dir / "logs" / f"{topic}-0"
@@ -800,14 +802,55 @@ def test_a_partition_whose_first_segment_the_cleaner_emptied_keeps_its_records(
         assert time.monotonic() < deadline, f"the cleaner emptied no first segment: {sizes}"
         time.sleep(1)
     survivors = _offsets_in_log(stack_settings, topic)
-    assert 0 < len(survivors) < 30
-    got = offset_windows.scan(client, topic, hour, hour + timedelta(hours=1))
-    cell = got.cells[hour][0]
-    assert (cell.records, cell.first_offset, cell.last_offset) == (
-        len(survivors),
-        survivors[0],
-        survivors[-1],
+    # The active segment is never cleaned, so a version before it can survive too.
+    assert survivors[:5] == [*range(10, 15)] and survivors[5] >= 20, survivors
+    return topic, survivors
+
+
+def test_a_partition_whose_first_segment_the_cleaner_emptied_keeps_its_records(
+    stack_settings: Settings, emptied_topic: tuple[str, list[int]]
+) -> None:
+    """The hours' windows of a compacted partition whose first segment the cleaner emptied
+    still hold the surviving records, not start at the end (Kafka's -1 is checked)."""
+    from backfill_assets.lake import windows as offset_windows
+    from backfill_assets.stack.kafka import KafkaClient
+
+    topic, survivors = emptied_topic
+    later = [o for o in survivors if o >= 20]
+    got = offset_windows.scan(
+        KafkaClient(stack_settings), topic, EMPTIED_HOUR, EMPTIED_HOUR + timedelta(hours=3)
     )
+    cells = {
+        hour: (cell.records, cell.first_offset, cell.last_offset)
+        for hour, per in got.cells.items()
+        for cell in per.values()
+        if cell.records
+    }
+    assert cells == {
+        EMPTIED_HOUR + timedelta(hours=1): (5, 10, 14),
+        EMPTIED_HOUR + timedelta(hours=2): (len(later), later[0], later[-1]),
+    }
+
+
+def test_the_gap_look_up_finds_every_hour_of_a_partition_the_cleaner_emptied_first(
+    stack_settings: Settings, emptied_topic: tuple[str, list[int]]
+) -> None:
+    """The gap sensor's look-up (``detect.kafka_hours``) past its read budget probes the rest
+    by ListOffsets by time, whose -1 for such a partition would make every later hour look
+    empty: the sensor would never fill them. Past the budget it must find what a full read
+    finds; the probe alone (``hours_with_records``) too."""
+    from backfill_assets.lake import detect
+    from backfill_assets.stack.kafka import KafkaClient
+
+    topic, survivors = emptied_topic
+    client = KafkaClient(stack_settings)
+    (low, end), boundary = client.watermarks(topic)[0], min(o for o in survivors if o >= 20)
+    until = EMPTIED_HOUR + timedelta(hours=3)
+    full = detect.kafka_hours(client, topic, EMPTIED_HOUR, until)
+    second, third = EMPTIED_HOUR + timedelta(hours=1), EMPTIED_HOUR + timedelta(hours=2)
+    assert full == {second: {0: (low, boundary)}, third: {0: (boundary, end)}}
+    assert detect.kafka_hours(client, topic, EMPTIED_HOUR, until, read_budget=1) == full
+    assert detect.hours_with_records(client, topic, EMPTIED_HOUR, until) == full
 
 
 def _offsets_in_log(settings: Settings, topic: str) -> list[int]:

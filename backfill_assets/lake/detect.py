@@ -31,6 +31,7 @@ from typing import Any
 
 from pyiceberg.catalog import Catalog
 
+from backfill_assets.errors import KafkaClientError
 from backfill_assets.lake import identity, ledger
 from backfill_assets.spec import declared
 from backfill_assets.spec.model import TableSpec, TopicSpec
@@ -129,7 +130,12 @@ def hours_with_records(
     An hour in ``known`` (the ledger's published windows of the topic's raw table) takes its
     offsets from there; only the other hours' bounds are asked of Kafka (ListOffsets by
     timestamp, one request per bound), so a tick costs what is unpublished, not what the
-    history holds."""
+    history holds.
+
+    Kafka's -1 ("no record at or after T") is checked against the partition's newest record
+    (ListOffsets max-timestamp): once the log cleaner has emptied a compacted partition's first
+    segment, the broker answers -1 for every earlier time (see ``windows._hints``). Such a
+    partition's hours are read instead, from its log start (timestamps of committed records)."""
     hours = []
     hour = first
     while hour < last:
@@ -137,17 +143,62 @@ def hours_with_records(
         hour += HOUR
     known = known or {}
     probe = sorted({b for h in hours if h not in known for b in (h, h + HOUR)})
-    bounds = kafka.offsets_for_many(topic, [_ms(b) for b in probe]) if probe else {}
+    bounds = kafka.offsets_for_many(topic, [_ms(b) for b in probe], raw=True) if probe else {}
+    ends = kafka.log_ends(topic) if probe else {}
+    blind, read = _blind_hours(kafka, topic, bounds, ends)
     out: dict[datetime, dict[int, tuple[int, int]]] = {}
     for start in hours:
         if start in known:
             ranges = dict(known[start])
         else:
             lo, hi = bounds[_ms(start)], bounds[_ms(start + HOUR)]
-            ranges = {p: (lo[p], hi[p]) for p in lo}
+            ranges = {
+                p: (_or_end(lo[p], ends[p]), _or_end(hi[p], ends[p])) for p in lo if p not in blind
+            }
+            ranges.update(read.get(_ms(start), {}))
         if any(e > s for s, e in ranges.values()):
             out[start] = ranges
     return out
+
+
+def _or_end(offset: int, ends: tuple[int, int, int]) -> int:
+    """A ListOffsets answer, Kafka's -1 ("none at or after it") as the high watermark."""
+    return offset if offset >= 0 else ends[2]
+
+
+def _blind_hours(
+    kafka: KafkaClient,
+    topic: str,
+    bounds: dict[int, dict[int, int]],
+    ends: dict[int, tuple[int, int, int]],
+) -> tuple[set[int], dict[int, dict[int, tuple[int, int]]]]:
+    """The partitions whose -1 answers in ``bounds`` contradict their newest committed record
+    (at or after the time asked, below the LSO), and their hours read from the records
+    (hour ms -> partition -> offsets)."""
+    earliest: dict[int, int] = {}
+    for ts, per in bounds.items():
+        for p, offset in per.items():
+            if offset < 0 and ends[p][0] < ends[p][1]:
+                earliest[p] = min(ts, earliest.get(p, ts))
+    if not earliest:
+        return set(), {}
+    blind: dict[int, list[tuple[int, int, int | None, int | None]]] = {
+        p: [(ends[p][0], ends[p][1], None, None)]
+        for p, (offset, ts_ms) in kafka.newest_records(topic, sorted(earliest)).items()
+        if ts_ms >= earliest[p] and ends[p][0] <= offset < ends[p][1]
+    }
+    if not blind:
+        return set(), {}
+    cells, rest = _read_hours(kafka, topic, blind, 1 << 62)
+    if rest:
+        raise KafkaClientError(
+            f"topic {topic!r} partitions {sorted(rest)}: Kafka answered ListOffsets by time "
+            "with -1 though they hold later records (a compacted partition whose first segment "
+            "the log cleaner emptied), and reading their records instead got no answer within "
+            f"{kafka.request_timeout_s:.0f}s, so their hours are unknown. The next tick retries; "
+            "if this persists, check the brokers (`backfill-assets gaps` runs the same look-up)."
+        )
+    return set(blind), cells
 
 
 def _ms(moment: datetime) -> int:
@@ -210,7 +261,10 @@ def kafka_hours(
         for hour, ranges in probed.items():
             for p, (s, e) in ranges.items():
                 if p in rest and e > max(s, rest[p][0]):
-                    out.setdefault(hour, {})[p] = (max(s, rest[p][0]), e)
+                    # The read may have ended inside this hour: its cell and the probe's join.
+                    cell = out.setdefault(hour, {})
+                    read = cell.get(p, (max(s, rest[p][0]), e))
+                    cell[p] = (min(read[0], max(s, rest[p][0])), max(read[1], e))
     return out
 
 

@@ -248,20 +248,27 @@ class KafkaClient:
         finally:
             consumer.close()
 
-    def offsets_for_many(self, topic: str, timestamps_ms: list[int]) -> dict[int, dict[int, int]]:
+    def offsets_for_many(
+        self, topic: str, timestamps_ms: list[int], *, raw: bool = False
+    ) -> dict[int, dict[int, int]]:
         """:meth:`offsets_for_times` for many timestamps over one consumer (one ListOffsets
-        request per timestamp: librdkafka answers one timestamp per partition per request)."""
+        request per timestamp: librdkafka answers one timestamp per partition per request).
+        ``raw`` keeps Kafka's -1 ("no record at or after it") instead of the high watermark."""
         return through_failover(
             f"ListOffsets by time of topic {topic!r}",
-            lambda: self._offsets_for_many(topic, timestamps_ms),
+            lambda: self._offsets_for_many(topic, timestamps_ms, raw),
         )
 
-    def _offsets_for_many(self, topic: str, timestamps_ms: list[int]) -> dict[int, dict[int, int]]:
+    def _offsets_for_many(
+        self, topic: str, timestamps_ms: list[int], raw: bool
+    ) -> dict[int, dict[int, int]]:
         consumer = self.offsets_consumer()
         try:
             parts = self.partitions(topic)
             highs = {
-                p: int(
+                p: -1
+                if raw
+                else int(
                     consumer.get_watermark_offsets(
                         TopicPartition(topic, p), timeout=self.request_timeout_s
                     )[1]
