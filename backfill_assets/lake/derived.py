@@ -737,7 +737,7 @@ def _picked(spec: TopicSpec, raw: DataFrame, touched: DataFrame) -> DataFrame:
     key, event_id = rule.key, spec.event_id_field
     columns = [key, event_id, "is_tombstone", "kafka_timestamp", *_POSITION, rule.order_by]
     narrow = raw.select(*dict.fromkeys(columns))
-    mine = narrow.join(touched, key, "left_semi")
+    mine = _among(narrow, touched, key)
     ids = mine.where(~F.col("is_tombstone")).select(event_id).distinct().localCheckpoint(eager=True)
     newest_version = Window.partitionBy(event_id).orderBy(
         F.col("kafka_timestamp").desc(),
@@ -745,8 +745,7 @@ def _picked(spec: TopicSpec, raw: DataFrame, touched: DataFrame) -> DataFrame:
         F.col("kafka_offset").desc(),
     )
     events = (
-        narrow.where(~F.col("is_tombstone"))
-        .join(ids, event_id, "left_semi")
+        _among(narrow.where(~F.col("is_tombstone")), ids, event_id)
         .withColumn("_n", F.row_number().over(newest_version))
         .where(F.col("_n") == 1)
         .drop("_n")
@@ -762,6 +761,23 @@ def _picked(spec: TopicSpec, raw: DataFrame, touched: DataFrame) -> DataFrame:
         .withColumn("_n", F.row_number().over(latest_first))
         .where(F.col("_n") == 1)
         .select(*_POSITION)
+    )
+
+
+def _among(frame: DataFrame, values: DataFrame, column: str) -> DataFrame:
+    """The rows of ``frame`` whose ``column`` is one of ``values``' (a left semi-join).
+
+    The rows are first narrowed by a broadcast set of the values' 64-bit hashes, small where
+    the strings were not, so the exact join that follows shuffles only the candidates: a hash
+    collision lets a row past the first step, never past the second."""
+    from pyspark.sql import functions as F
+
+    hashes = values.select(F.xxhash64(column).alias("_hash")).distinct()
+    return (
+        frame.withColumn("_hash", F.xxhash64(column))
+        .join(F.broadcast(hashes), "_hash", "left_semi")
+        .drop("_hash")
+        .join(values, column, "left_semi")
     )
 
 
