@@ -132,7 +132,7 @@ def winning_versions(
 
     key = spec.event_id_field
     events = spark.table(raw_table).where(~F.col("is_tombstone"))
-    versions = events.join(ids, key, "left_semi")
+    versions = _among(events, ids, key)
     content = F.xxhash64(*[F.col(c.name) for c in spec.columns])
     order = Window.partitionBy(key).orderBy(
         F.col("kafka_timestamp").desc(),
@@ -168,7 +168,7 @@ def other_version_hours(
         F.col("kafka_partition").alias("_p"),
         F.col("kafka_offset").alias("_o"),
     )
-    others = rows.join(mine.select(key).distinct(), key, "left_semi").select(
+    others = _among(rows, mine.select(key).distinct(), key).select(
         key, F.date_trunc("hour", event).alias("_e"), "kafka_partition", "kafka_offset"
     )
     pairs = (
