@@ -235,6 +235,14 @@ def test_bad_table_fields_are_named(
     assert message in error
 
 
+@pytest.mark.parametrize("topic", ["orders-v1", "shop.orders", "Orders", "1orders"])
+def test_a_topic_name_that_cannot_name_tables_and_sensors_is_refused(
+    tmp_path: Path, topic: str
+) -> None:
+    error = _error(_write(tmp_path, {"topic": topic}))
+    assert f"topic: {topic!r} is not supported: a topic's name must be a lower-case" in error
+
+
 def test_bad_table_name_is_named(tmp_path: Path) -> None:
     error = _error(_write(tmp_path, {"name": "Large-Paid"}, table=1))
     assert "table 'Large-Paid': tables[1].name: must match pattern '^[a-z_][a-z0-9_]*$'" in error

@@ -12,6 +12,7 @@ problem. Nothing here starts Spark.
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from pathlib import Path
@@ -334,6 +335,20 @@ class TopicSpec(_Spec):
         if isinstance(tables, list):
             tables = [{**inherited, **t} if isinstance(t, dict) else t for t in tables]
         return {**data, "tables": tables}
+
+    @field_validator("topic")
+    @classmethod
+    def _identifier(cls, value: str) -> str:
+        # The name prefixes the topic's Iceberg tables and names its Dagster assets and
+        # sensors, which accept only letters, digits and underscores.
+        if not re.fullmatch(r"[a-z_][a-z0-9_]*", value):
+            raise ValueError(
+                f"{value!r} is not supported: a topic's name must be a lower-case identifier "
+                "(a-z, 0-9, _; not starting with a digit), since it names the topic's tables, "
+                "assets and sensors; a topic named with '-', '.' or capitals must be mirrored "
+                "to such a name first"
+            )
+        return value
 
     @field_validator("partition_start", mode="before")
     @classmethod
