@@ -780,7 +780,7 @@ def emptied_topic(stack_settings: Settings) -> tuple[str, list[int]]:
     from backfill_assets.stack.kafka import KafkaClient
     from backfill_assets_tests.support.hostile import COMPACTED_TOPIC_CONFIGS
 
-    topic = f"emptied-{uuid.uuid4().hex[:8]}"
+    topic = f"emptied_{uuid.uuid4().hex[:8]}"
     admin = KafkaClient(stack_settings).admin()
     created = admin.create_topics(
         [NewTopic(topic, 1, 1, config={**TOPIC_CONFIGS, **COMPACTED_TOPIC_CONFIGS})]
@@ -851,6 +851,43 @@ def test_the_gap_look_up_finds_every_hour_of_a_partition_the_cleaner_emptied_fir
     assert full == {second: {0: (low, boundary)}, third: {0: (boundary, end)}}
     assert detect.kafka_hours(client, topic, EMPTIED_HOUR, until, read_budget=1) == full
     assert detect.hours_with_records(client, topic, EMPTIED_HOUR, until) == full
+
+
+def test_the_gap_sensor_requests_every_hour_of_a_partition_the_cleaner_emptied_first(
+    stack_settings: Settings,
+    emptied_topic: tuple[str, list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same look-up through the path the daemon takes: one tick of the topic's gap sensor,
+    its read budget (``BACKFILL_GAP_READ_BUDGET``) set to one record so that the rest of the
+    partition is probed. It requests exactly the two hours that hold records, as one raw run."""
+    import dagster as dg
+
+    from backfill_assets.defs.assets import build_topic_assets
+    from backfill_assets.defs.definitions import RESOURCES, SPECS
+    from backfill_assets.defs.sensors import REQUEST_TAG, build_gap_sensor
+    from backfill_assets.lake.detect import PARTITION_FMT
+    from backfill_assets.spec.declared import renamed
+
+    topic, _survivors = emptied_topic
+    monkeypatch.setenv("BACKFILL_GAP_READ_BUDGET", "1")
+    assert Settings.from_env().gap_read_budget == 1
+    spec = renamed(SPECS[0], topic=topic, partition_start=EMPTIED_HOUR)
+    sensor = build_gap_sensor(spec)
+    defs = dg.Definitions(assets=build_topic_assets(spec), sensors=[sensor], resources=RESOURCES)
+    with dg.instance_for_test() as instance:
+        context = dg.build_sensor_context(instance=instance, resources=RESOURCES, definitions=defs)
+        requests = sensor.evaluate_tick(context).run_requests or []
+    raw = [
+        (
+            r.tags["dagster/asset_partition_range_start"],
+            r.tags["dagster/asset_partition_range_end"],
+        )
+        for r in requests
+        if r.tags[REQUEST_TAG].startswith("raw:")
+    ]
+    second, third = EMPTIED_HOUR + timedelta(hours=1), EMPTIED_HOUR + timedelta(hours=2)
+    assert raw == [(f"{second:{PARTITION_FMT}}", f"{third:{PARTITION_FMT}}")]
 
 
 def _offsets_in_log(settings: Settings, topic: str) -> list[int]:

@@ -33,6 +33,8 @@ def test_local_defaults_describe_the_embedded_stack(tmp_path: object) -> None:
     assert (s.content_sample, s.content_sample_above) == (16, 50_000)
     assert s.sensor_interval_s == 120
     assert Settings.from_env({"BACKFILL_SENSOR_INTERVAL_S": "10"}).sensor_interval_s == 10
+    assert s.gap_read_budget == 500_000
+    assert Settings.from_env({"BACKFILL_GAP_READ_BUDGET": "1000"}).gap_read_budget == 1000
 
 
 def test_a_throttled_process_gets_half_the_local_cores_unless_the_master_is_set() -> None:
@@ -68,6 +70,7 @@ def test_a_throttled_process_gets_half_the_local_cores_unless_the_master_is_set(
         ({"BACKFILL_SENSOR_INTERVAL_S": "0"}, "BACKFILL_SENSOR_INTERVAL_S='0' must be a positive"),
         ({"BACKFILL_SENSOR_INTERVAL_S": "2m"}, "BACKFILL_SENSOR_INTERVAL_S='2m' is not a whole"),
         ({"BACKFILL_SENSOR_INTERVAL_S": "90000"}, "BACKFILL_SENSOR_INTERVAL_S=90000 .* 1 to 86400"),
+        ({"BACKFILL_GAP_READ_BUDGET": "0"}, "BACKFILL_GAP_READ_BUDGET='0' must be a positive"),
         ({"BACKFILL_SCHEMA_REGISTRY_URL": "registry:8081"}, "BACKFILL_SCHEMA_REGISTRY_URL"),
         ({"BACKFILL_SCHEMA_REGISTRY_PORT": "99999"}, "BACKFILL_SCHEMA_REGISTRY_PORT=99999"),
     ],

@@ -116,7 +116,9 @@ def build_gap_sensor(
     ) -> dg.SensorResult | dg.SkipReason:
         ns = iceberg.settings.catalog.namespace
         cat = iceberg.catalog()
-        found = detect.find(kafka.client(), cat, ns, spec, specs=specs)
+        found = detect.find(
+            kafka.client(), cat, ns, spec, specs=specs, read_budget=iceberg.settings.gap_read_budget
+        )
         if found.replaced is not None:  # every tick, until the new log is adopted
             context.log.warning(f"REFUSED: {found.replaced}")
         state = ledger.generation(cat, ns)

@@ -36,6 +36,7 @@ from backfill_assets.lake import identity, ledger
 from backfill_assets.spec import declared
 from backfill_assets.spec.model import TableSpec, TopicSpec
 from backfill_assets.stack.kafka import KafkaClient
+from backfill_assets.stack.settings import GAP_READ_BUDGET
 
 HOUR = timedelta(hours=1)
 HOUR_MS = 3_600_000
@@ -207,7 +208,7 @@ def _ms(moment: datetime) -> int:
 
 # Records read per tick from the offsets the ledger does not cover, before the rest is left to
 # ListOffsets-by-timestamp probes (exact on topics without transactions; see kafka_hours).
-READ_BUDGET = 500_000
+READ_BUDGET = GAP_READ_BUDGET
 _POLL_S = 0.05
 
 
@@ -453,15 +454,17 @@ def find(
     specs: list[TopicSpec] | None = None,
     now: datetime | None = None,
     retention_horizon: timedelta = timedelta(hours=24),
+    read_budget: int = READ_BUDGET,
 ) -> Findings:
     """Everything the gap, late-data and retention checks need, in one pass; ``specs`` (all
-    topics) resolve what the topic's declared tables read from other topics."""
+    topics) resolve what the topic's declared tables read from other topics; ``read_budget``
+    bounds the records read per topic (:func:`kafka_hours`)."""
     now = now or datetime.now(UTC)
     last_closed = now.replace(minute=0, second=0, microsecond=0)
     findings = Findings(closed_until=last_closed)
     # Records newer than the last closed hour wait until their hour closes.
     raw_entries, in_kafka, findings.replaced, findings.shadowed = _raw_side(
-        kafka, catalog, namespace, spec, last_closed
+        kafka, catalog, namespace, spec, last_closed, read_budget
     )
     raw_pub = {h: _publish(e) for h, e in raw_entries.items()}
     cur_pub = covered_hours(published(catalog, f"{namespace}.{spec.current_table}"))
@@ -485,7 +488,12 @@ def find(
         if topic not in by_topic:
             mine = {h: e for h, e in raw_of(topic).items() if logs[topic].holds(e)}
             by_topic[topic] = kafka_hours(
-                kafka, topic, spec.partition_start, last_closed, _windows(mine)
+                kafka,
+                topic,
+                spec.partition_start,
+                last_closed,
+                _windows(mine),
+                read_budget=read_budget,
             )
         return by_topic[topic]
 
@@ -517,7 +525,12 @@ def find(
 
 
 def _raw_side(
-    kafka: KafkaClient, catalog: Catalog, namespace: str, spec: TopicSpec, last_closed: datetime
+    kafka: KafkaClient,
+    catalog: Catalog,
+    namespace: str,
+    spec: TopicSpec,
+    last_closed: datetime,
+    read_budget: int,
 ) -> tuple[
     dict[datetime, ledger.Entry],
     dict[datetime, dict[int, tuple[int, int]]],
@@ -539,7 +552,14 @@ def _raw_side(
         }
         return entries, held, refused, {}
     mine = {h: e for h, e in entries.items() if log.holds(e)}
-    in_kafka = kafka_hours(kafka, spec.topic, spec.partition_start, last_closed, _windows(mine))
+    in_kafka = kafka_hours(
+        kafka,
+        spec.topic,
+        spec.partition_start,
+        last_closed,
+        _windows(mine),
+        read_budget=read_budget,
+    )
     shadowed = {h: e for h, e in entries.items() if h in in_kafka and not log.holds(e)}
     return entries, in_kafka, None, shadowed
 

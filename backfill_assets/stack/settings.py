@@ -43,6 +43,9 @@ READER_QUEUE_BACKOFF_MS = 10
 # JVM heap, which the local driver sizes up front.
 SPARK_PARTITION_FETCH_BYTES = 8 << 20
 SPARK_FETCH_BYTES = 64 << 20
+# Records a gap-sensor tick reads from the offsets no publish covers, before it probes the rest
+# by ListOffsets-by-timestamp (BACKFILL_GAP_READ_BUDGET; backfill_assets.lake.detect.kafka_hours).
+GAP_READ_BUDGET = 500_000
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,8 @@ class Settings:
     sensors_running: bool = True
     # Seconds between two evaluations of each gap and late-data sensor (BACKFILL_SENSOR_INTERVAL_S).
     sensor_interval_s: int = 120
+    # Records one gap-sensor tick reads before it probes the rest (BACKFILL_GAP_READ_BUDGET).
+    gap_read_budget: int = GAP_READ_BUDGET
     replay_max_records_per_s: int = 0  # 0: no throttle
     # A partition with no committed record at or after an hour's end seals that hour at its
     # last stable offset only when no transaction is open and the hour ended this long ago.
@@ -305,6 +310,7 @@ class Settings:
             webserver_port=_int(env, "BACKFILL_WEBSERVER_PORT", 3000),
             sensors_running=_switch(env, "BACKFILL_SENSORS", default=True),
             sensor_interval_s=_sensor_interval(env),
+            gap_read_budget=_int(env, "BACKFILL_GAP_READ_BUDGET", GAP_READ_BUDGET),
             replay_max_records_per_s=throttle,
             seal_grace_s=_int(env, "BACKFILL_SEAL_GRACE_S", 300, zero_ok=True),
             publish_attempts=_int(env, "BACKFILL_PUBLISH_ATTEMPTS", 5),

@@ -183,6 +183,7 @@ def gaps_command(ui: Ui, settings: Settings, topic: str, horizon_hours: int) -> 
         spec,
         specs=list(common.specs().values()),
         retention_horizon=timedelta(hours=horizon_hours),
+        read_budget=settings.gap_read_budget,
     )
     late = detect.late_event_hours(cat, ns, spec)
     stale = {t.name: ledger.stale(cat, ns, f"{cat.name}.{ns}.{t.name}") for t in spec.tables}
