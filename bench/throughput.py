@@ -288,6 +288,7 @@ def hand_written(
     contract: OffsetContract,
     table: str,
     writer_schema: str | None = None,
+    fresh: bool = True,
 ) -> tuple[float, int]:
     """What a user would write by hand: read the same offsets, ``from_json`` with the table's
     schema, append to a fresh Iceberg table partitioned by Kafka hour. No exactness, no
@@ -306,13 +307,14 @@ def hand_written(
     from backfill_assets.spec.model import SPARK_TYPES
 
     schema = ", ".join(f"`{c.name}` {SPARK_TYPES[c.type]}" for c in spec.columns)
-    spark.sql(f"CREATE NAMESPACE IF NOT EXISTS {table.rsplit('.', 1)[0]}")
-    spark.sql(f"DROP TABLE IF EXISTS {table} PURGE")
-    spark.sql(
-        f"CREATE TABLE {table} (kafka_partition int, kafka_offset bigint, "
-        f"kafka_timestamp timestamp, {schema}) USING iceberg "
-        "PARTITIONED BY (hours(kafka_timestamp))"
-    )
+    if fresh:  # else append to the table an earlier call made
+        spark.sql(f"CREATE NAMESPACE IF NOT EXISTS {table.rsplit('.', 1)[0]}")
+        spark.sql(f"DROP TABLE IF EXISTS {table} PURGE")
+        spark.sql(
+            f"CREATE TABLE {table} (kafka_partition int, kafka_offset bigint, "
+            f"kafka_timestamp timestamp, {schema}) USING iceberg "
+            "PARTITIONED BY (hours(kafka_timestamp))"
+        )
     began = time.monotonic()
     if writer_schema is None:
         decoded = F.from_json(F.col("value").cast("string"), schema)
