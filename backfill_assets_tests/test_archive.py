@@ -28,10 +28,10 @@ from backfill_assets.defs.archiver import build_archive_asset
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate
-from backfill_assets.lake import audit
-from backfill_assets.lake.archive import SCHEMA, Archive, ArchiveError
-from backfill_assets.lake.archiver import run_archiver
-from backfill_assets.lake.replay import checksum_expr
+from backfill_assets.lake.offsets.archive import SCHEMA, Archive, ArchiveError
+from backfill_assets.lake.operations.archiver import run_archiver
+from backfill_assets.lake.write import audit
+from backfill_assets.lake.write.replay import checksum_expr
 from backfill_assets.ops import planner
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
@@ -257,7 +257,7 @@ def test_range_in_neither_kafka_nor_archive_fails_naming_offsets(
 def test_unknown_offsets_rule() -> None:
     """Offsets below the log start that are not archived block a window that overlaps them
     or begins right after them (their timestamps are unknown), and nothing else."""
-    from backfill_assets.lake.windows import _unknown
+    from backfill_assets.lake.offsets.windows import _unknown
 
     assert _unknown(40, 100, [(0, 100)]) is None  # fully archived below log start
     assert _unknown(100, 100, []) == (0, 100)  # window may begin in deleted data

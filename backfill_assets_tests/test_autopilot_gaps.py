@@ -23,7 +23,8 @@ from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.defs.sensors import REQUEST_TAG, build_gap_sensor, gap_sensor_name
 from backfill_assets.demo.generator import GeneratorConfig, generate
-from backfill_assets.lake import detect, rollback
+from backfill_assets.lake.coverage import detect
+from backfill_assets.lake.operations import rollback
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog

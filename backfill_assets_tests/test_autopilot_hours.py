@@ -38,7 +38,8 @@ from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.defs.definitions import RESOURCES
 from backfill_assets.defs.sensors import build_gap_sensor, build_late_data_sensor
 from backfill_assets.demo.generator import TOPIC_CONFIGS, partition_for
-from backfill_assets.lake import derived, detect, wap
+from backfill_assets.lake.coverage import detect
+from backfill_assets.lake.write import derived, wap
 from backfill_assets.spec.loader import load_specs, spec_path
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog

@@ -199,7 +199,7 @@ def test_bad_records_are_quarantined_with_reason_offsets_and_bytes(world: World)
 def test_each_writer_is_judged_against_the_columns_reader_schema() -> None:
     """No stack: the Python judgement that decides, before any Spark expression, which ids
     decode and which are quarantined (the avro package's resolution rules)."""
-    from backfill_assets.lake import avro
+    from backfill_assets.lake.decode import avro
 
     spec = _spec("judged")
     latest = {f["name"]: f for f in json.loads(V3)["fields"]}
@@ -269,7 +269,7 @@ def test_registry_outage_fails_the_run_and_the_retry_publishes(
 def test_the_window_scan_collects_every_schema_id_of_the_wire_format() -> None:
     """No stack: the librdkafka scan's cells note each value's schema id (the writers the
     parse resolves) and nothing for other values, so no second read of Kafka is needed."""
-    from backfill_assets.lake.windows import Cell, Windows
+    from backfill_assets.lake.offsets.windows import Cell, Windows
 
     first, second = Cell(0, 0), Cell(10, 10)
     values = [
@@ -306,7 +306,7 @@ def test_a_wrong_reader_default_in_spark_fails_decoded_content_and_main_is_uncha
     published."""
     import dataclasses
 
-    from backfill_assets.lake import avro
+    from backfill_assets.lake.decode import avro
 
     topic = f"avro_default_{uuid.uuid4().hex[:8]}"
     spec = _spec(topic)

@@ -7,7 +7,7 @@ with that exact reason (holding the record's exact key and value bytes). Nothing
 then left out: read == written + quarantined must hold per hour and in total, in the asset's
 metadata and in the checks' metadata, where "read" is Kafka's own count of committed records.
 
-The rules (first match wins; :data:`backfill_assets.lake.replay.QUARANTINE_RULES`):
+The rules (first match wins; :data:`backfill_assets.lake.write.replay.QUARANTINE_RULES`):
 
 * **too large**: key + value above the topic's ``max_record_bytes`` (topics.yaml, default
   1 MiB, Kafka's own default limit) -> ``record_too_large:<bytes>``, even if the JSON is valid.
@@ -48,7 +48,8 @@ The rules (first match wins; :data:`backfill_assets.lake.replay.QUARANTINE_RULES
 * **duplicates** (same event id): the raw table is the committed log, so every copy is a row
   (re-running any sub-range must give the same rows); the asset counts repeated ids in
   ``resent_event_ids`` (and ids whose copies differ in ``conflicting_event_ids``). The derived
-  tables apply the duplicates rule (:mod:`backfill_assets.lake.derived`). A quarantined copy is
+  tables apply the duplicates rule (:mod:`backfill_assets.lake.write.derived`). A quarantined copy
+  is
   not a row: a valid later copy of a quarantined event is.
 """
 

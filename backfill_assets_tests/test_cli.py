@@ -18,7 +18,7 @@ import dagster as dg
 import pytest
 from click.testing import CliRunner
 
-from backfill_assets.lake.rollback import HourRestore, RollbackResult
+from backfill_assets.lake.operations.rollback import HourRestore, RollbackResult
 from backfill_assets.ops import cli
 from backfill_assets.ops.cli import common, rollback
 from backfill_assets.ops.cli.common import resolve_range
@@ -397,7 +397,7 @@ def test_a_dry_run_reads_publishes_the_ledger_lacks_from_history(tmp_path: Path)
     import pyarrow as pa
     from pyiceberg.catalog.sql import SqlCatalog
 
-    from backfill_assets.lake import rollback
+    from backfill_assets.lake.operations import rollback
 
     cat = SqlCatalog(
         "t", uri=f"sqlite:///{tmp_path}/c.db", warehouse=f"file://{tmp_path}/warehouse"
@@ -438,7 +438,7 @@ def test_maintain_runs_an_audited_pass(
 ) -> None:
     """A real pass over the audit table (Spark procedures included), reported as JSON and
     recorded in the audit table itself."""
-    from backfill_assets.lake import audit
+    from backfill_assets.lake.write import audit
 
     monkeypatch.delenv("DAGSTER_HOME", raising=False)
     ns = stack_settings.catalog.namespace

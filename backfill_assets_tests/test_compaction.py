@@ -33,7 +33,8 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import SPECS
 from backfill_assets.demo.generator import GeneratorConfig, generate
-from backfill_assets.lake import audit, ledger
+from backfill_assets.lake.offsets import ledger
+from backfill_assets.lake.write import audit
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.catalog import CatalogClient

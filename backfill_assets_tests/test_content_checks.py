@@ -1,7 +1,7 @@
 """Checks that see content (issue 30).
 
 * ``decoded_content``: an independent Python decode of the Kafka records (the spec's reference
-  decoders, :mod:`backfill_assets.lake.content`) is compared per hour with the typed values
+  decoders, :mod:`backfill_assets.lake.decode.content`) is compared per hour with the typed values
   stored on the run's branch. Proven with a real transform bug: a spec whose v2 upcaster
   multiplies the amount by 10 (the bytes and every other check stay right) is backfilled
   through Dagster; the check fails and main keeps its snapshot.
@@ -33,8 +33,8 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import SPECS
 from backfill_assets.demo.generator import GeneratorConfig, generate
-from backfill_assets.lake import content
-from backfill_assets.lake.replay import TIMESTAMP_RANGE
+from backfill_assets.lake.decode import content
+from backfill_assets.lake.write.replay import TIMESTAMP_RANGE
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.spec.transforms import reference
@@ -154,7 +154,7 @@ def test_an_integer_reads_as_the_same_number_as_a_decimal(number: str, spark_typ
 
 
 def test_a_small_window_is_decoded_whole_and_a_large_one_by_its_sample() -> None:
-    from backfill_assets.lake.windows import Cell, _Decoding
+    from backfill_assets.lake.offsets.windows import Cell, _Decoding
 
     seen: list[tuple[int, int]] = []
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from backfill_assets.lake import checks
+from backfill_assets.lake.write import checks
 from backfill_assets.spec.loader import load_specs
 from backfill_assets.spec.model import TopicSpec
 

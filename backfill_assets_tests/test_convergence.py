@@ -47,7 +47,8 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from dagster._core.scheduler.instigation import InstigatorType, TickStatus
 
 from backfill_assets.demo.generator import TOPIC_CONFIGS, partition_for
-from backfill_assets.lake import detect, ledger
+from backfill_assets.lake.coverage import detect
+from backfill_assets.lake.offsets import ledger
 from backfill_assets.spec.loader import load_specs, spec_path
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog

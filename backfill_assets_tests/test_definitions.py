@@ -168,7 +168,7 @@ def test_loading_the_definitions_prints_no_framework_warnings() -> None:
 
 def test_every_asset_has_a_code_version_from_its_definition() -> None:
     from backfill_assets.defs.definitions import SPECS
-    from backfill_assets.lake.archive import layout_version
+    from backfill_assets.lake.offsets.archive import layout_version
     from backfill_assets.spec import versions
 
     spec = SPECS[0]

@@ -15,7 +15,7 @@ import pytest
 from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.defs.definitions import SPECS
 from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate, plan_events
-from backfill_assets.lake import derived
+from backfill_assets.lake.write import derived
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
@@ -228,7 +228,7 @@ def test_other_version_hours_follows_its_definition(spark_session: SparkSession)
     pairs of the row-by-row definition."""
     import random
 
-    from backfill_assets.lake.derived import other_version_hours
+    from backfill_assets.lake.write.derived import other_version_hours
 
     rng = random.Random(7)
     rows: list[tuple[str, datetime | None, datetime, int, int, bool]] = []

@@ -41,7 +41,7 @@ from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.defs.partitions import kafka_hours
 from backfill_assets.defs.sensors import build_gap_sensor
 from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate
-from backfill_assets.lake.checks import CHECK_NAMES
+from backfill_assets.lake.write.checks import CHECK_NAMES
 from backfill_assets.ops import launch
 from backfill_assets.spec.loader import load_specs
 from backfill_assets.spec.model import SPEC_PATH

@@ -29,8 +29,8 @@ import pytest
 
 from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.defs.definitions import SPECS
-from backfill_assets.lake import ledger
-from backfill_assets.lake.windows import HOUR, scan
+from backfill_assets.lake.offsets import ledger
+from backfill_assets.lake.offsets.windows import HOUR, scan
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog
@@ -537,7 +537,7 @@ def test_each_check_blocks_the_fault_it_exists_to_catch(
     """Each fault, audited the way a small window is (figures and pandera in the driver
     process) and the way a large one is (Spark's aggregations; the contract as Spark
     expressions)."""
-    from backfill_assets.lake import checks
+    from backfill_assets.lake.write import checks
 
     if way == "large window":
         monkeypatch.setattr(checks, "FIGURES_DRIVER_ROWS", 0)

@@ -46,8 +46,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from backfill_assets.lake import wap
-from backfill_assets.lake.detect import PARTITION_FMT
+from backfill_assets.lake.coverage.detect import PARTITION_FMT
+from backfill_assets.lake.write import wap
 from backfill_assets.spec.declared import renamed
 from backfill_assets_tests.support import broker_fault, connect_server, warehouse
 
@@ -281,7 +281,7 @@ class MainState:
 
 
 def _main_snapshot(spark: SparkSession, table: str) -> int | None:
-    from backfill_assets.lake.wap import ref_snapshot_id
+    from backfill_assets.lake.write.wap import ref_snapshot_id
 
     if not spark.catalog.tableExists(table):
         return None
@@ -292,7 +292,7 @@ def _main_state(spark: SparkSession, world: World) -> MainState:
     """Main's snapshot and, read at exactly that snapshot, its rows, checksum and hours."""
     from pyspark.sql import functions as F
 
-    from backfill_assets.lake.replay import checksum_expr
+    from backfill_assets.lake.write.replay import checksum_expr
 
     snap = _main_snapshot(spark, world.table)
     if snap is None:
@@ -311,7 +311,7 @@ def _main_state(spark: SparkSession, world: World) -> MainState:
 def _per_hour(spark: SparkSession, table: str, spec: TopicSpec) -> dict[str, tuple[int, int]]:
     from pyspark.sql import functions as F
 
-    from backfill_assets.lake.replay import checksum_expr
+    from backfill_assets.lake.write.replay import checksum_expr
 
     rows = (
         spark.table(table)
@@ -352,7 +352,7 @@ class Reader(threading.Thread):
     def run(self) -> None:
         from pyspark.sql import functions as F
 
-        from backfill_assets.lake.replay import checksum_expr
+        from backfill_assets.lake.write.replay import checksum_expr
 
         try:
             while not self._stop_event.wait(3.0):
@@ -379,7 +379,7 @@ class Reader(threading.Thread):
 
 # ------------------------------------------------------------------------------ catalog views
 def _audit_rows(settings: Settings, run_id: str) -> list[dict[str, Any]]:
-    from backfill_assets.lake import audit
+    from backfill_assets.lake.write import audit
     from backfill_assets.stack import catalog
 
     return audit.query(catalog.load(settings.catalog), settings.catalog.namespace, run_id=run_id)

@@ -22,7 +22,7 @@ from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec  # type: ign
 
 from backfill_assets.demo.generator import TOPIC_CONFIGS, partition_for
 from backfill_assets.errors import GeneratorError
-from backfill_assets.lake.windows import record_hash as windows_record_hash
+from backfill_assets.lake.offsets.windows import record_hash as windows_record_hash
 from backfill_assets.spec.loader import load_specs
 from backfill_assets.stack.settings import Settings
 from backfill_assets_tests.support.hostile import (
@@ -54,7 +54,7 @@ from backfill_assets_tests.support.hostile import (
 
 START = datetime(2026, 1, 1, tzinfo=UTC)
 # record_hash(0, 5, b"k", b"v") as Spark computes it: SELECT xxhash64(0, 5L, X'6B', X'76',
-# false, false) (the Spark side of the checksum check, lake/replay.py::record_hash_expr)
+# false, false) (the Spark side of the checksum check, lake/write/replay.py::record_hash_expr)
 HASH_K_V = 508117354465523008
 
 
@@ -812,7 +812,7 @@ def test_a_partition_whose_first_segment_the_cleaner_emptied_keeps_its_records(
 ) -> None:
     """The hours' windows of a compacted partition whose first segment the cleaner emptied
     still hold the surviving records, not start at the end (Kafka's -1 is checked)."""
-    from backfill_assets.lake import windows as offset_windows
+    from backfill_assets.lake.offsets import windows as offset_windows
     from backfill_assets.stack.kafka import KafkaClient
 
     topic, survivors = emptied_topic
@@ -839,7 +839,7 @@ def test_the_gap_look_up_finds_every_hour_of_a_partition_the_cleaner_emptied_fir
     by ListOffsets by time, whose -1 for such a partition would make every later hour look
     empty: the sensor would never fill them. Past the budget it must find what a full read
     finds; the probe alone (``hours_with_records``) too."""
-    from backfill_assets.lake import detect
+    from backfill_assets.lake.coverage import detect
     from backfill_assets.stack.kafka import KafkaClient
 
     topic, survivors = emptied_topic
@@ -866,7 +866,7 @@ def test_the_gap_sensor_requests_every_hour_of_a_partition_the_cleaner_emptied_f
     from backfill_assets.defs.assets import build_topic_assets
     from backfill_assets.defs.definitions import RESOURCES, SPECS
     from backfill_assets.defs.sensors import REQUEST_TAG, build_gap_sensor
-    from backfill_assets.lake.detect import PARTITION_FMT
+    from backfill_assets.lake.coverage.detect import PARTITION_FMT
     from backfill_assets.spec.declared import renamed
 
     topic, _survivors = emptied_topic

@@ -184,7 +184,7 @@ def test_bad_records_are_quarantined_with_reason_offsets_and_bytes(world: World)
 
 def test_the_independent_decode_agrees_without_spark(world: World, registry: LocalRegistry) -> None:
     """The decoded_content check's decode (no Spark) gives every record's disposition."""
-    from backfill_assets.lake import content
+    from backfill_assets.lake.decode import content
 
     decode = content.RecordDecoder(world.spec, registry.url)
     for (partition, offset), want in world.expected.items():
@@ -199,7 +199,7 @@ def test_the_independent_decode_agrees_without_spark(world: World, registry: Loc
 def test_each_id_is_judged_by_its_schema_type_and_an_outage_raises() -> None:
     """No stack: the Python judgement of an id (before any Spark expression), and a registry
     that does not answer fails the lookup (the run then publishes nothing)."""
-    from backfill_assets.lake import avro, json_schema
+    from backfill_assets.lake.decode import avro, json_schema
     from backfill_assets_tests.support.services import free_port
 
     assert json_schema.judge(3, ("JSON", ORDER)) == avro.Writer(3, writer=ORDER)

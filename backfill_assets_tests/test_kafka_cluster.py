@@ -31,8 +31,8 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 from pyspark.sql import SparkSession
 
-from backfill_assets.lake import replay
-from backfill_assets.lake.windows import scan
+from backfill_assets.lake.offsets.windows import scan
+from backfill_assets.lake.write import replay
 from backfill_assets.ops import cli
 from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import Settings

@@ -17,6 +17,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "backfill_assets"
 # demo producer may use the machinery and the spec, and only ops/ (the CLI) starts it.
 LAYERS = {"errors": 0, "stack": 0, "spec": 1, "lake": 2, "demo": 2, "defs": 3, "ops": 4}
 NO_DAGSTER = ("stack", "spec", "lake", "demo")
+# lake/'s rooms, lowest first: a room imports only rooms below it (write and coverage are
+# side by side and do not import each other).
+LAKE_ROOMS = {"decode": 0, "offsets": 1, "write": 2, "coverage": 2, "operations": 3}
 
 
 def _module(path: Path) -> str:
@@ -72,6 +75,34 @@ def test_no_import_runs_back_up() -> None:
             if there in LAYERS and LAYERS[there] > LAYERS[here]:
                 upward.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}")
     assert not upward, "imports that run back up a layer:\n" + "\n".join(sorted(set(upward)))
+
+
+def _lake_room(module: str) -> str:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "lake" else ""
+
+
+def test_every_lake_module_sits_in_a_room() -> None:
+    loose = [
+        _module(p)
+        for p in _sources()
+        if _layer(_module(p)) == "lake" and _module(p) != "backfill_assets.lake"
+        if _lake_room(_module(p)) not in LAKE_ROOMS
+    ]
+    assert not loose, f"lake modules outside its rooms {sorted(LAKE_ROOMS)}: {loose}"
+
+
+def test_no_import_runs_back_up_between_lake_rooms() -> None:
+    wrong = []
+    for path in _sources():
+        here = _lake_room(_module(path))
+        if here not in LAKE_ROOMS:
+            continue
+        for line, target in _imports(path):
+            there = _lake_room(target)
+            if there in LAKE_ROOMS and there != here and LAKE_ROOMS[there] >= LAKE_ROOMS[here]:
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}")
+    assert not wrong, "lake imports that run up or across a room:\n" + "\n".join(sorted(set(wrong)))
 
 
 @pytest.mark.parametrize("layer", NO_DAGSTER)

@@ -21,7 +21,10 @@ from backfill_assets.defs.assets import build_raw_asset, build_topic_assets
 from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.defs.maintenance import build_maintenance_defs, maintenance_targets
 from backfill_assets.demo.generator import GeneratorConfig, generate
-from backfill_assets.lake import audit, detect, ledger, maintenance, rollback
+from backfill_assets.lake.coverage import detect
+from backfill_assets.lake.offsets import ledger
+from backfill_assets.lake.operations import maintenance, rollback
+from backfill_assets.lake.write import audit
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog

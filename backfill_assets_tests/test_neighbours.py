@@ -25,7 +25,8 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import RESOURCES, SPECS
-from backfill_assets.lake import checks, ledger, publish, replay, windows
+from backfill_assets.lake.offsets import ledger, windows
+from backfill_assets.lake.write import checks, publish, replay
 from backfill_assets.spec.declared import renamed
 from backfill_assets.stack.catalog import CatalogClient
 from backfill_assets.stack.kafka import KafkaClient

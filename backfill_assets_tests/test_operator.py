@@ -19,8 +19,8 @@ import pytest
 
 from backfill_assets.defs.definitions import ASSETS
 from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate
-from backfill_assets.lake.replay import checksum_expr
-from backfill_assets.lake.wap import ref_snapshot_id
+from backfill_assets.lake.write.replay import checksum_expr
+from backfill_assets.lake.write.wap import ref_snapshot_id
 from backfill_assets.stack.settings import REPO_ROOT, Settings
 from backfill_assets_tests.support.runs import materialize_range
 

@@ -98,7 +98,7 @@ def tier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tier]:
 # archive file on s3:// through Hadoop's s3a.
 _SPARK_SCRIPT = """
 import json, sys
-from backfill_assets.lake import wap
+from backfill_assets.lake.write import wap
 from backfill_assets.stack import spark as sp
 from backfill_assets.stack.settings import Settings
 
@@ -127,7 +127,7 @@ def spark_run(tier: Tier) -> dict[str, Any]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from backfill_assets.lake.archive import Archive
+    from backfill_assets.lake.offsets.archive import Archive
 
     archive = Archive(tier.settings)
     path = f"{archive.root}/probe/part-0.parquet"

@@ -29,7 +29,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from backfill_assets.defs.assets import build_raw_asset
-from backfill_assets.lake import protobuf
+from backfill_assets.lake.decode import protobuf
 from backfill_assets.spec import proto
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.registry import LocalRegistry

@@ -83,7 +83,7 @@ def _main_summary(spark: SparkSession, table: str) -> dict[str, str]:
 
 
 def _main_checksum(spark: SparkSession, world: World) -> tuple[int, Any]:
-    from backfill_assets.lake.replay import checksum_expr
+    from backfill_assets.lake.write.replay import checksum_expr
 
     df = spark.table(world.table)
     return df.count(), df.agg(checksum_expr(world.spec)).first()[0]  # type: ignore[index]
@@ -256,7 +256,7 @@ def test_failed_check_leaves_main_untouched(world: World, spark_session: SparkSe
 
 
 def test_any_failure_is_audited(world: World, stack_settings: Settings) -> None:
-    from backfill_assets.lake import audit
+    from backfill_assets.lake.write import audit
     from backfill_assets.stack import catalog
 
     missing = world.spec.model_copy(update={"topic": f"missing_{uuid.uuid4().hex[:6]}"})
@@ -296,7 +296,7 @@ def test_each_record_is_parsed_once(spark_session: SparkSession) -> None:
     reason and the typed columns read its result, they do not re-parse it (a plan that inlines
     the stages parses the JSON once per field and per rule, tens of times), and the VARIANT
     parse no upcaster reads is pruned."""
-    from backfill_assets.lake import replay
+    from backfill_assets.lake.write import replay
 
     spec = next(s for s in SPECS if s.topic == "orders")
     hour = datetime(2026, 7, 1, tzinfo=UTC)

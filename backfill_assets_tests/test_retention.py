@@ -16,8 +16,8 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 
 from backfill_assets.defs.definitions import SPECS
 from backfill_assets.demo.generator import GeneratorConfig, generate
-from backfill_assets.lake import detect
-from backfill_assets.lake.archiver import run_archiver
+from backfill_assets.lake.coverage import detect
+from backfill_assets.lake.operations.archiver import run_archiver
 from backfill_assets.spec.declared import renamed
 from backfill_assets.stack import catalog
 from backfill_assets.stack.catalog import CatalogClient

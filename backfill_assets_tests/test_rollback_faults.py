@@ -3,7 +3,7 @@ rollback or sensor tick converges (issue 30: "a rollback is not atomic with the 
 
 Each test rolls back the latest raw publish (Kafka hours 06-07, raw table only) in its own
 process (``python -m backfill_assets_tests.test_rollback_faults``, the runner at the bottom),
-SIGKILLed at one failpoint of :func:`backfill_assets.lake.rollback.rollback`:
+SIGKILLed at one failpoint of :func:`backfill_assets.lake.operations.rollback.rollback`:
 
 * ``rollback_intent_recorded``: the ledger holds the intent, main has not moved. The ledger
   must still say what main holds (raw hours covered by the run whose rows are there) and no
@@ -89,7 +89,7 @@ class World:
         return result.run_id
 
     def covered(self, table: str) -> dict[datetime, str]:
-        from backfill_assets.lake import ledger
+        from backfill_assets.lake.offsets import ledger
 
         return {
             h: e.run_id for h, e in ledger.coverage(self.cat, self.ns, self.full(table)).items()
@@ -192,7 +192,7 @@ def _rollback_killed_at(world: World, point: str, run_id: str) -> None:
 def _stale_hours(world: World) -> set[datetime]:
     """Every event hour of a declared table that reads Kafka hours 06-07 (lateness 3, no
     lookback, or the event hours their rows hold), within the hours published."""
-    from backfill_assets.lake import ledger
+    from backfill_assets.lake.offsets import ledger
 
     entries = ledger.coverage(world.cat, world.ns, world.full(world.spec.raw_table))
     held = {h for k in UNDONE for h in (entries[k].event_hours or {})}
@@ -204,7 +204,7 @@ def _stale_hours(world: World) -> set[datetime]:
 def _converge(world: World) -> None:
     """What the next sensor ticks see and request, run: raw and current gaps first, then the
     declared hours due once they are published; then nothing is due and the ledger agrees."""
-    from backfill_assets.lake import detect
+    from backfill_assets.lake.coverage import detect
     from backfill_assets.stack.kafka import KafkaClient
 
     kafka = KafkaClient(world.settings)
@@ -230,7 +230,7 @@ def _latest_raw_run(world: World) -> str:
 
 
 def _rollback_rows(world: World, table: str) -> list[dict[str, Any]]:
-    from backfill_assets.lake import ledger
+    from backfill_assets.lake.offsets import ledger
 
     return [
         r for r in ledger._rows(world.cat, world.ns, world.full(table)) if r["event"] != "publish"
@@ -238,7 +238,7 @@ def _rollback_rows(world: World, table: str) -> list[dict[str, Any]]:
 
 
 def test_killed_after_the_intent_changes_nothing_and_a_rerun_completes(world: World) -> None:
-    from backfill_assets.lake import rollback
+    from backfill_assets.lake.operations import rollback
 
     run_id = _latest_raw_run(world)
     before = {t: world.covered(t) for t in (world.spec.current_table, *world.declared_names())}
@@ -262,7 +262,7 @@ def test_killed_after_the_intent_changes_nothing_and_a_rerun_completes(world: Wo
 
 
 def test_killed_after_the_table_commit_the_ledger_already_agrees(world: World) -> None:
-    from backfill_assets.lake import rollback
+    from backfill_assets.lake.operations import rollback
 
     run_id = _latest_raw_run(world)
     stale = _stale_hours(world)
@@ -318,7 +318,7 @@ def _assert_rolled_back(world: World, stale: set[datetime] | None = None) -> Non
 # ------------------------------------------------------------------------------ the runner
 def _main(argv: list[str]) -> int:
     """Roll back ``--run`` on ``--table`` (raw table of ``--topic``) in this process."""
-    from backfill_assets.lake import rollback
+    from backfill_assets.lake.operations import rollback
     from backfill_assets.stack import catalog
     from backfill_assets.stack.settings import Settings
 

@@ -28,7 +28,7 @@ import pytest
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import SPECS
 from backfill_assets.demo.generator import GeneratorConfig, generate
-from backfill_assets.lake import audit, replay
+from backfill_assets.lake.write import audit, replay
 from backfill_assets.spec.declared import renamed
 from backfill_assets.stack import catalog
 from backfill_assets.stack.broker import LocalBroker

@@ -22,7 +22,9 @@ from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.defs.sensors import build_gap_sensor, build_late_data_sensor
 from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate, partition_for
-from backfill_assets.lake import detect, ledger, rollback
+from backfill_assets.lake.coverage import detect
+from backfill_assets.lake.offsets import ledger
+from backfill_assets.lake.operations import rollback
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog

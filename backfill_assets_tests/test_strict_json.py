@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets.lake import replay
+from backfill_assets.lake.write import replay
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.loader import load_specs
 from backfill_assets.spec.transforms import StrictReader, json_field, reading

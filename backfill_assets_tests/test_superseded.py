@@ -1,6 +1,7 @@
 """The publish records, per Kafka hour, the event hours a correction moves its event away from.
 
-A raw run reads those hours (:func:`backfill_assets.lake.derived.other_version_hours`) from its
+A raw run reads those hours (:func:`backfill_assets.lake.write.derived.other_version_hours`) from
+its
 branch unless no event id of its window can have another version there: none repeats in the
 window and the branch holds no row outside it. Here the original and its moved correction are
 in ONE run into an empty table, so only the first condition keeps the read. (A correction
@@ -21,7 +22,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import SPECS
-from backfill_assets.lake import ledger
+from backfill_assets.lake.offsets import ledger
 from backfill_assets.spec.declared import renamed
 from backfill_assets.stack.settings import Settings
 from backfill_assets_tests.support.runs import materialize_range

@@ -6,8 +6,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from backfill_assets.lake.replay import OffsetContract, ReplayError, chunk_contract
-from backfill_assets.lake.windows import Cell, Windows
+from backfill_assets.lake.offsets.windows import Cell, Windows
+from backfill_assets.lake.write.replay import OffsetContract, ReplayError, chunk_contract
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

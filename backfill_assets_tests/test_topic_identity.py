@@ -27,7 +27,9 @@ from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.defs.sensors import REQUEST_TAG, build_gap_sensor
 from backfill_assets.demo.generator import GeneratorConfig, generate
-from backfill_assets.lake import detect, ledger, rollback
+from backfill_assets.lake.coverage import detect
+from backfill_assets.lake.offsets import ledger
+from backfill_assets.lake.operations import rollback
 from backfill_assets.ops import cli
 from backfill_assets.ops.cli import common
 from backfill_assets.spec.declared import renamed

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from backfill_assets.lake.archive import layout_version
+from backfill_assets.lake.offsets.archive import layout_version
 from backfill_assets.spec import versions
 from backfill_assets.spec.loader import load_specs
 from backfill_assets.spec.model import TopicSpec

@@ -27,7 +27,7 @@ from typing import Any
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from backfill_assets.lake import checks
+from backfill_assets.lake.write import checks
 from backfill_assets.spec.loader import load_specs
 
 

@@ -1,9 +1,9 @@
-"""Paired benchmark: the current-state table's source (``lake/derived._current_source``: per
+"""Paired benchmark: the current-state table's source (``lake/write/derived._current_source``: per
 key touched by a window of Kafka hours, its latest winning row, checkpointed) of a baseline
 commit against the working tree's, alternating in one process over the raw and current-state
 tables a north-star run left in ``--home`` (bench/northstar.py).
 
-The baseline's ``backfill_assets/lake/derived.py`` is read with ``git show`` and loaded beside
+The baseline's ``backfill_assets/lake/write/derived.py`` is read with ``git show`` and loaded beside
 the tree's; everything else (settings, Spark session, tables) is shared. Both must return the
 same rows for every window (asserted, both ways, with ``exceptAll``). Nothing is written to the
 tables. After ``--warmup`` rounds (not counted), ``--rounds`` rounds alternate which form runs
@@ -34,9 +34,9 @@ WINDOWS = ("2026-06-29T00:00/2026-07-01T00:00", "2026-06-22T00:00/2026-06-29T00:
 
 
 def _baseline(commit: str) -> ModuleType:
-    """``backfill_assets/lake/derived.py`` as of ``commit``, loaded as its own module."""
+    """``backfill_assets/lake/write/derived.py`` as of ``commit``, loaded as its own module."""
     source = subprocess.run(
-        ["git", "show", f"{commit}:backfill_assets/lake/derived.py"],
+        ["git", "show", f"{commit}:backfill_assets/lake/write/derived.py"],
         cwd=REPO,
         check=True,
         capture_output=True,
@@ -84,7 +84,7 @@ def main() -> None:
     os.environ["BACKFILL_NAMESPACE"] = args.namespace or _newest_namespace(args.home)
     os.environ.setdefault("BACKFILL_JAR_CACHE", str(REPO / ".stack" / "jars"))
 
-    from backfill_assets.lake import derived
+    from backfill_assets.lake.write import derived
     from backfill_assets.spec.loader import load_specs
     from backfill_assets.stack.catalog import CatalogClient
     from backfill_assets.stack.settings import Settings

@@ -2,10 +2,12 @@
 
 Generates ``--hours`` x ``--events-per-hour`` orders records (the demo generator's planned
 records: valid, malformed, tombstones, both schema versions) and times
-:class:`backfill_assets.lake.content.RecordDecoder` over them (best of ``--repeat``, in this
+:class:`backfill_assets.lake.decode.content.RecordDecoder` over them (best of ``--repeat``, in this
 thread's CPU time, which the machine's load inflates less than the wall time also shown), with
-the byte hash of the window scan (:func:`backfill_assets.lake.windows.record_hash`) as baseline,
-the sample predicate (:func:`backfill_assets.lake.content.in_sample`) and the scan's decode of
+the byte hash of the window scan (:func:`backfill_assets.lake.offsets.windows.record_hash`) as
+baseline,
+the sample predicate (:func:`backfill_assets.lake.decode.content.in_sample`) and the scan's decode
+of
 a large window (1 record in K decoded) per record of the window. No Kafka, no
 Spark. Prints the load average: these machines are shared.
 
@@ -14,11 +16,11 @@ writer schema, a local schema registry started for the run) and the decode is th
 (confluent-kafka's AvroDeserializer); its baseline is fastavro reading the same payloads with
 the same writer and reader schemas, and it also times the deserializer called with a
 serialization context (which runs the subject's rule machinery per record) against without
-(what :class:`backfill_assets.lake.avro.IndependentDecode` does).
+(what :class:`backfill_assets.lake.decode.avro.IndependentDecode` does).
 
 With ``--format protobuf`` it also re-encodes the valid Avro orders as Protobuf (event time a
 ``google.protobuf.Timestamp``) and times Python's protobuf parse of the payload (baseline)
-against :class:`backfill_assets.lake.protobuf.IndependentDecode` and the whole RecordDecoder.
+against :class:`backfill_assets.lake.decode.protobuf.IndependentDecode` and the whole RecordDecoder.
 
 Run from the repository root:
     .venv/bin/python bench/decode.py
@@ -47,7 +49,8 @@ def main() -> None:
         return
 
     from backfill_assets.demo.generator import GeneratorConfig, plan_events
-    from backfill_assets.lake import content, windows
+    from backfill_assets.lake.decode import content
+    from backfill_assets.lake.offsets import windows
     from backfill_assets.spec.loader import load_specs
 
     planned = plan_events(
@@ -109,7 +112,7 @@ def avro_main(args: argparse.Namespace) -> None:
     from fastavro import schemaless_reader
 
     from backfill_assets.demo.generator import GeneratorConfig, plan_events
-    from backfill_assets.lake import content
+    from backfill_assets.lake.decode import content
     from backfill_assets.stack.registry import LocalRegistry
     from backfill_assets.stack.settings import Settings
 
@@ -182,14 +185,14 @@ def avro_main(args: argparse.Namespace) -> None:
 def _protobuf(args: argparse.Namespace, settings: object, rows: list, timed: Callable) -> None:
     """The same valid orders as Protobuf (``bench.Order``, event_time a Timestamp), registered
     under ``decode_pb-value``: Python's protobuf parse of the payload (baseline) against
-    :class:`backfill_assets.lake.protobuf.IndependentDecode` and the whole RecordDecoder."""
+    :class:`backfill_assets.lake.decode.protobuf.IndependentDecode` and the whole RecordDecoder."""
     import base64
 
     import throughput
     from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, timestamp_pb2
 
-    from backfill_assets.lake import content, protobuf
+    from backfill_assets.lake.decode import content, protobuf
 
     file = descriptor_pb2.FileDescriptorProto(name="o.proto", package="bench", syntax="proto3")
     file.dependency.append("google/protobuf/timestamp.proto")

@@ -117,7 +117,7 @@ def main() -> None:
         }
     )
     from backfill_assets.demo.generator import GeneratorConfig, generate
-    from backfill_assets.lake.replay import offset_contract, read_contract, read_throttled
+    from backfill_assets.lake.write.replay import offset_contract, read_contract, read_throttled
     from backfill_assets.stack import spark as spark_mod
     from backfill_assets.stack.broker import LocalBroker
     from backfill_assets.stack.kafka import KafkaClient

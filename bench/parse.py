@@ -45,7 +45,7 @@ def main() -> None:
     from pyspark.sql import functions as F
 
     from backfill_assets.demo.generator import GeneratorConfig, plan_events
-    from backfill_assets.lake import replay
+    from backfill_assets.lake.write import replay
     from backfill_assets.spec.loader import load_specs
     from backfill_assets.stack.settings import Settings
     from backfill_assets.stack.spark import get_session

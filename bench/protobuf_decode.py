@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, timestamp_pb2
 from pyspark.sql import functions as F
 
-from backfill_assets.lake import protobuf
+from backfill_assets.lake.decode import protobuf
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import spark as stack_spark
 from backfill_assets.stack.settings import Settings

@@ -107,7 +107,8 @@ def publish_all(
     The raw windows are what a raw run would record (committed records, chained); they come
     from the detection's own reading of the log, which a transactional topic needs (its
     ListOffsets-by-timestamp answers point at commit markers)."""
-    from backfill_assets.lake import detect, ledger
+    from backfill_assets.lake.coverage import detect
+    from backfill_assets.lake.offsets import ledger
     from backfill_assets.stack.catalog import CatalogClient
     from backfill_assets.stack.kafka import KafkaClient
 
@@ -153,7 +154,7 @@ def republish_raw(
     """Every raw hour published again, after the declared tables, with late event hours;
     returns how many event hours that makes due."""
     from backfill_assets.defs.resources import IcebergResource
-    from backfill_assets.lake import ledger
+    from backfill_assets.lake.offsets import ledger
 
     iceberg = IcebergResource()
     late = event_hours(hours, late=True)
@@ -206,7 +207,7 @@ def late_tick_seconds(spec: Any, repeat: int) -> tuple[float, list[str], int]:
     from backfill_assets.defs.assets import build_topic_assets
     from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
     from backfill_assets.defs.sensors import build_late_data_sensor
-    from backfill_assets.lake import detect
+    from backfill_assets.lake.coverage import detect
 
     sensor = build_late_data_sensor(spec, [spec])
     resources = {"iceberg": IcebergResource()}
@@ -235,7 +236,7 @@ def probe_seconds(
 ) -> float:
     """Baseline: which hours hold records, from one ListOffsets per hour boundary (on a
     transactional topic its answers point at commit markers: the count is not checked)."""
-    from backfill_assets.lake import detect
+    from backfill_assets.lake.coverage import detect
     from backfill_assets.stack.kafka import KafkaClient
 
     times = []

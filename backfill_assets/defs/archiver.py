@@ -1,5 +1,5 @@
 """The archiver in Dagster: an asset per topic that runs
-:func:`backfill_assets.lake.archiver.run_archiver`, and an hourly schedule for it.
+:func:`backfill_assets.lake.operations.archiver.run_archiver`, and an hourly schedule for it.
 
 (No ``from __future__ import annotations`` here: Dagster inspects the asset function's
 ``context`` annotation at definition time.)
@@ -9,9 +9,9 @@ import dagster as dg
 
 from backfill_assets.defs.resources import IcebergResource, KafkaResource
 from backfill_assets.defs.topics import topic_asset_key
-from backfill_assets.lake import audit
-from backfill_assets.lake.archive import layout_version
-from backfill_assets.lake.archiver import run_archiver
+from backfill_assets.lake.offsets.archive import layout_version
+from backfill_assets.lake.operations.archiver import run_archiver
+from backfill_assets.lake.write import audit
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
 

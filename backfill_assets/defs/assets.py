@@ -16,7 +16,8 @@ from backfill_assets.defs.archiver import archive_asset_key
 from backfill_assets.defs.partitions import kafka_hours
 from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
 from backfill_assets.errors import KafkaClientError
-from backfill_assets.lake import audit, checks, derived, identity, ledger, publish, replay, wap
+from backfill_assets.lake.offsets import identity, ledger
+from backfill_assets.lake.write import audit, checks, derived, publish, replay, wap
 from backfill_assets.spec import declared, versions
 from backfill_assets.spec.model import CURRENT_META_COLUMNS, ColumnSpec, TableSpec, TopicSpec
 from backfill_assets.stack.catalog import CatalogClient
@@ -136,7 +137,8 @@ def _audit_and_publish(
     request: publish.PublishRequest,
     figures: dict[str, Any],
 ) -> Generator[dg.AssetCheckResult, None, Published]:
-    """:func:`backfill_assets.lake.publish.publish` in Dagster terms, with the run's own fields
+    """:func:`backfill_assets.lake.write.publish.publish` in Dagster terms, with the run's own
+    fields
     added to the audit record: on success nothing is yielded (the caller attaches the returned
     check results to the materialization they audited); when nothing was published, the check
     results are yielded and the run fails, naming the figures. Returns main's new snapshot id,

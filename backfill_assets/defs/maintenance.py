@@ -1,7 +1,8 @@
 """Table maintenance jobs: one Dagster job per table the spec declares (raw, quarantine,
 current state, declared tables) plus one for the audit and ledger tables, each with a schedule
 (``BACKFILL_MAINTENANCE_CRON``, on or off by ``BACKFILL_MAINTENANCE_SCHEDULES``) and runnable
-from the UI. Each run makes one pass of :func:`backfill_assets.lake.maintenance.maintain` per
+from the UI. Each run makes one pass of
+:func:`backfill_assets.lake.operations.maintenance.maintain` per
 table; the report lands on the run (output metadata), on the table's asset (an observation)
 and in the audit table.
 
@@ -17,7 +18,9 @@ import dagster as dg
 
 from backfill_assets.defs.assets import current_asset_key, raw_asset_key, table_asset_key
 from backfill_assets.defs.resources import IcebergResource, SparkResource
-from backfill_assets.lake import audit, ledger, maintenance
+from backfill_assets.lake.offsets import ledger
+from backfill_assets.lake.operations import maintenance
+from backfill_assets.lake.write import audit
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
 

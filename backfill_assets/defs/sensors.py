@@ -1,21 +1,24 @@
 """Sensors that turn detected gaps and late data into exactly the needed partition runs.
 
 The gap sensor also reports, as materializations with ``empty: true`` and zero rows, the hours
-no run covers that provably hold nothing (:mod:`backfill_assets.lake.empty`): hours before the
+no run covers that provably hold nothing (:mod:`backfill_assets.lake.coverage.empty`): hours before
+the
 data, between separately published ranges, after the newest record. So "Missing" on a
 partition bar is a real gap (records not published), or an hour not settled yet. These reports
 never enter the ledger: they are not coverage, and an hour that gains records later is
 requested like any other gap (its run's materialization then replaces the report).
 
 Requests are deduplicated across ticks: every request has a key made of what it covers and
-the ledger's state it was computed from (:func:`backfill_assets.lake.ledger.generation`); the
+the ledger's state it was computed from (:func:`backfill_assets.lake.offsets.ledger.generation`);
+the
 cursor remembers keys already requested, and hours whose runs are still queued or running are
 not requested again. Every publish and every rollback of any table changes the ledger's state
 (main's snapshot id does not: a rollback restores an earlier one), so a gap that reappears
 after a rollback is requested again.
 
 A topic deleted and recreated (or failed over to another cluster) is a new log the ledger's
-windows do not describe (:mod:`backfill_assets.lake.identity`): no raw or current hour of it is
+windows do not describe (:mod:`backfill_assets.lake.offsets.identity`): no raw or current hour of
+it is
 requested, on any tick, until ``backfill-assets adopt`` adopts it; every tick says so in its
 log and skip reason. Declared tables over hours already published are still requested.
 
@@ -39,8 +42,9 @@ import dagster as dg
 from backfill_assets.defs.assets import current_asset_key, raw_asset_key, table_asset_key
 from backfill_assets.defs.partitions import kafka_hours
 from backfill_assets.defs.resources import IcebergResource, KafkaResource
-from backfill_assets.lake import detect, empty, ledger
-from backfill_assets.lake.windows import hours_between
+from backfill_assets.lake.coverage import detect, empty
+from backfill_assets.lake.offsets import ledger
+from backfill_assets.lake.offsets.windows import hours_between
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
 

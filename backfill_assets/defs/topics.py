@@ -14,7 +14,7 @@ from typing import Any
 import dagster as dg
 
 from backfill_assets.defs.resources import KafkaResource
-from backfill_assets.lake.detect import retention_ms
+from backfill_assets.lake.coverage.detect import retention_ms
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import Settings

@@ -5,7 +5,7 @@ A declared table's SQL is one Spark SQL query with two window parameters, ``{sta
 ``{end}`` (the run's event-time window, UTC), that reads relations by their plain names:
 
 * ``<topic>``: the topic's events, one row per event id (the winning version, see
-  :mod:`backfill_assets.lake.derived`), tombstones excluded, with the topic's columns and
+  :mod:`backfill_assets.lake.write.derived`), tombstones excluded, with the topic's columns and
   ``kafka_timestamp``, ``kafka_partition``, ``kafka_offset``, ``kafka_hour``;
 * ``<topic>_current``: the topic's current state (its columns, ``deleted``, ``order_ts``, ...);
 * any other declared table, by its name.

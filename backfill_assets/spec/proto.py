@@ -1,7 +1,7 @@
 """Protobuf writer schemas as the schema registry gives them, read without Spark.
 
 Shared by the spec (columns derived from a subject's latest schema) and the raw parse
-(``backfill_assets.lake.protobuf``): a registry answer is a base64 ``FileDescriptorProto``
+(``backfill_assets.lake.decode.protobuf``): a registry answer is a base64 ``FileDescriptorProto``
 (``format=serialized``) or ``.proto`` text (what Java producers register, and what a registry
 that ignores the format returns), which protoc from the grpcio-tools wheel compiles in this
 process. The one import read is the well-known ``google/protobuf/timestamp.proto``.

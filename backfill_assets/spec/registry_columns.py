@@ -43,7 +43,7 @@ PIN = "declare `columns` in topics.yaml to pin the ones wanted"
 _AVRO = {"string": "string", "int": "int", "long": "bigint", "float": "double"}
 _AVRO |= {"double": "double", "boolean": "boolean"}
 _AVRO_TIMESTAMPS = ("timestamp-millis", "timestamp-micros")
-# FieldDescriptorProto.Type numbers (backfill_assets.lake.protobuf.READABLE reads each as the
+# FieldDescriptorProto.Type numbers (backfill_assets.lake.decode.protobuf.READABLE reads each as the
 # column type given here): unsigned, bytes, enum and message fields are not columns.
 _PROTOBUF = {9: "string", 5: "int", 17: "int", 15: "int", 3: "bigint", 18: "bigint"}
 _PROTOBUF |= {16: "bigint", 1: "double", 2: "double", 8: "boolean"}

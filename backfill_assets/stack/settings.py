@@ -44,7 +44,8 @@ READER_QUEUE_BACKOFF_MS = 10
 SPARK_PARTITION_FETCH_BYTES = 8 << 20
 SPARK_FETCH_BYTES = 64 << 20
 # Records a gap-sensor tick reads from the offsets no publish covers, before it probes the rest
-# by ListOffsets-by-timestamp (BACKFILL_GAP_READ_BUDGET; backfill_assets.lake.detect.kafka_hours).
+# by ListOffsets-by-timestamp (BACKFILL_GAP_READ_BUDGET;
+# backfill_assets.lake.coverage.detect.kafka_hours).
 GAP_READ_BUDGET = 500_000
 
 
@@ -157,7 +158,8 @@ class CatalogSettings:
 
 @dataclass(frozen=True)
 class MaintenanceSettings:
-    """Table maintenance (``backfill_assets.lake.maintenance``): which steps run and what they
+    """Table maintenance (``backfill_assets.lake.operations.maintenance``): which steps run and
+    what they
     keep. Retentions are ages; each step can be switched off."""
 
     expire_snapshots: bool = True
@@ -209,7 +211,7 @@ class Settings:
     # The decoded_content check decodes every record of a window of at most
     # content_sample_above records (BACKFILL_CONTENT_SAMPLE_ABOVE), and 1 record in
     # content_sample (BACKFILL_CONTENT_SAMPLE; 1: every record) of a larger one: see
-    # backfill_assets.lake.content.
+    # backfill_assets.lake.decode.content.
     content_sample: int = 16
     content_sample_above: int = 50_000
     # The topics-and-tables spec Definitions are built from (BACKFILL_SPEC); None: the

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
-from backfill_assets.lake.detect import PARTITION_FMT
+from backfill_assets.lake.coverage.detect import PARTITION_FMT
 
 if TYPE_CHECKING:
     from pyspark.sql import Row, SparkSession

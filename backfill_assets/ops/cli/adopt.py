@@ -32,7 +32,7 @@ def adopt_command(ui: Ui, settings: Settings, topic: str, dry_run: bool) -> int:
     holds records for that were published from the old log are NOT re-read: they are listed
     with the rollback command that re-reads them. Exits 0 (also when there is nothing to adopt).
     """
-    from backfill_assets.lake import ledger
+    from backfill_assets.lake.offsets import ledger
 
     spec = spec_of(topic)
     cat = catalog.load(settings.catalog)
@@ -68,7 +68,8 @@ def _name(identity: Any) -> str:
 def _after(kafka: Any, spec: Any, entries: dict[datetime, Any], log: Any) -> dict[str, Any]:
     """What adopting ``log`` means: the old log's published hours, the new log's hours still
     to read, and the new log's hours covered by old publishes (not re-read)."""
-    from backfill_assets.lake import detect, identity
+    from backfill_assets.lake.coverage import detect
+    from backfill_assets.lake.offsets import identity
 
     now = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
     mine = {h: dict(e.offsets) for h, e in entries.items() if log.holds(e) and e.offsets}

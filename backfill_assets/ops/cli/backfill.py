@@ -44,7 +44,7 @@ _ACCEPT_HELP = (
 
 
 def _accept_tags(accept: bool) -> dict[str, str]:
-    from backfill_assets.lake.checks import ACCEPT_FEWER_RECORDS_TAG
+    from backfill_assets.lake.write.checks import ACCEPT_FEWER_RECORDS_TAG
 
     return {ACCEPT_FEWER_RECORDS_TAG: "true"} if accept else {}
 

@@ -18,7 +18,7 @@ from backfill_assets.stack import catalog
 from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:
-    from backfill_assets.lake.rollback import RollbackResult
+    from backfill_assets.lake.operations.rollback import RollbackResult
 
 AUDIT_COLUMNS = (
     "finished (UTC)",
@@ -49,7 +49,7 @@ def audit_command(
     limit: int,
 ) -> int:
     """Query the audit table, newest first."""
-    from backfill_assets.lake import audit
+    from backfill_assets.lake.write import audit
 
     rows = audit.query(
         catalog.load(settings.catalog),
@@ -111,7 +111,7 @@ def rollback_command(
     unless --force. What was undone is then recorded in the Dagster instance of $DAGSTER_HOME,
     per asset partition.
     """
-    from backfill_assets.lake.rollback import plan_rollback, rollback
+    from backfill_assets.lake.operations.rollback import plan_rollback, rollback
 
     if (run is None) == (backfill is None):
         raise click.UsageError("give exactly one of --run RUN_ID or --backfill BACKFILL_ID")

@@ -20,7 +20,7 @@ from backfill_assets.stack import catalog
 from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:
-    from backfill_assets.lake.detect import Findings
+    from backfill_assets.lake.coverage.detect import Findings
     from backfill_assets.spec.model import TopicSpec
 
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 @with_ui
 def archive_command(ui: Ui, settings: Settings, topic: str, status: bool) -> int:
     """Copy new records of a topic to the archive now (--status: show what is archived)."""
-    from backfill_assets.lake.archiver import run_archiver
+    from backfill_assets.lake.operations.archiver import run_archiver
     from backfill_assets.stack.catalog import CatalogClient
 
     known = specs()
@@ -64,7 +64,7 @@ def archive_command(ui: Ui, settings: Settings, topic: str, status: bool) -> int
 
 def _archive_status(ui: Ui, settings: Settings, spec: TopicSpec, kafka: Any) -> None:
     """``archive --status``: per partition, the offsets archived and those Kafka holds."""
-    from backfill_assets.lake.archive import Archive
+    from backfill_assets.lake.offsets.archive import Archive
 
     store = Archive(settings)
     marks = kafka.watermarks(spec.topic)
@@ -104,7 +104,7 @@ def maintain_command(ui: Ui, settings: Settings, tables: tuple[str, ...]) -> int
     """One maintenance pass per table, as the scheduled maintain_* jobs run it (retentions:
     BACKFILL_MAINTENANCE_*; infra/README.md). Each pass is appended to the audit table.
     Exits 4 if a step failed (the others still ran)."""
-    from backfill_assets.lake import maintenance
+    from backfill_assets.lake.operations import maintenance
     from backfill_assets.stack import spark as spark_mod
 
     names = _maintained_tables(tables)
@@ -171,7 +171,8 @@ def gaps_command(ui: Ui, settings: Settings, topic: str, horizon_hours: int) -> 
     """What the gap and late-data sensors see, each finding with what to run. Exits 1 if
     anything is due, 4 if the topic is refused (deleted and recreated, or failed over: run
     `backfill-assets adopt`)."""
-    from backfill_assets.lake import detect, identity, ledger
+    from backfill_assets.lake.coverage import detect
+    from backfill_assets.lake.offsets import identity, ledger
 
     spec = spec_of(topic)
     cat = catalog.load(settings.catalog)
@@ -233,7 +234,7 @@ def _gaps_doc(
 ) -> dict[str, Any]:
     """The ``gaps`` document: gaps as ranges with the command that fills each, the hours due
     per table, late event hours and retention risks."""
-    from backfill_assets.lake import detect
+    from backfill_assets.lake.coverage import detect
 
     hour = timedelta(hours=1)
 

@@ -2,7 +2,7 @@
 :func:`~backfill_assets.spec.transforms.json_field` and
 :func:`~backfill_assets.spec.transforms.json_timestamp`, written again in plain Python.
 
-The raw table's ``decoded_content`` check (:mod:`backfill_assets.lake.content`) decodes every
+The raw table's ``decoded_content`` check (:mod:`backfill_assets.lake.decode.content`) decodes every
 Kafka record of a window with these, independently of Spark's parse and of the upcasters, and
 compares the typed values with the rows stored on the run's branch. A topic's spec names one
 reference per schema version (``decoders`` in topics.yaml); a version read as the columns say

@@ -43,7 +43,7 @@ import org.apache.spark.sql.api.java.UDF3;
  * </ul>
  *
  * <p>Which field types may be read as which kind was judged on the driver
- * (backfill_assets/lake/protobuf.py) before this is called. A NULL value (a tombstone) gives a
+ * (backfill_assets/lake/decode/protobuf.py) before this is called. A NULL value (a tombstone) gives a
  * NULL row. What a (descriptor, request) resolves to is cached, and each thread keeps its last one;
  * nothing else is stateful.
  */

@@ -584,7 +584,7 @@ def sync_from_history(catalog: Catalog, namespace: str, table_name: str) -> list
 
     ``table_name`` is ``catalog.namespace.table`` (Spark's name) or ``namespace.table``.
     """
-    from backfill_assets.lake.windows import hours_between, parse_bounds
+    from backfill_assets.lake.offsets.windows import hours_between, parse_bounds
 
     ident = table_name.split(".", 1)[1] if table_name.count(".") >= 2 else table_name
     try:

@@ -17,7 +17,8 @@ due and rebuild them once what they read is published again.
 rollback row and its readers' invalidations, under a fresh rollback id); (2) one catalog commit
 moves main back and sets the table property ``backfill.rollback.<id>``: the commit point; (3) one
 ledger commit records the outcome. Ledger rows of a rollback id take effect only once it is
-committed (:func:`backfill_assets.lake.ledger.committed_rollbacks`: the outcome row, else the
+committed (:func:`backfill_assets.lake.offsets.ledger.committed_rollbacks`: the outcome row, else
+the
 table's property), so a crash before (2) leaves table and ledger as they were, and a crash after
 it leaves both rolled back (``sync_from_history``, run by every publish and rollback, writes the
 missing outcome). Failpoints ``rollback_intent_recorded``, ``rollback_table_committed`` and
@@ -42,7 +43,8 @@ from pyiceberg.table import Table
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.lake import audit, ledger
+from backfill_assets.lake.offsets import ledger
+from backfill_assets.lake.write import audit
 from backfill_assets.stack.faults import failpoint
 
 if TYPE_CHECKING:
@@ -433,7 +435,7 @@ def _event_hours(
         else:
             out |= set(e.event_hours)
     if unknown:
-        from backfill_assets.lake.detect import _event_hours_from_rows
+        from backfill_assets.lake.coverage.detect import _event_hours_from_rows
 
         for counts in _event_hours_from_rows(catalog, namespace, spec, unknown).values():
             out |= set(counts)
@@ -512,7 +514,7 @@ def _unrecorded(
 ) -> list[ledger.Entry]:
     """The publishes in main's history that the ledger has no rows for, as ledger entries,
     without recording them: what :func:`ledger.sync_from_history` would add (read-only)."""
-    from backfill_assets.lake.windows import hours_between
+    from backfill_assets.lake.offsets.windows import hours_between
 
     rows = ledger._rows(catalog, namespace, table_name)
     known = {r["snapshot_id"] for r in rows}

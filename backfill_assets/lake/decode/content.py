@@ -1,8 +1,9 @@
 """The independent decode behind the raw table's ``decoded_content`` check.
 
-The librdkafka pass that fixes a run's windows (:func:`backfill_assets.lake.windows.scan`) hands
+The librdkafka pass that fixes a run's windows (:func:`backfill_assets.lake.offsets.windows.scan`)
+hands
 every committed record of the window to a :class:`RecordDecoder`. It applies the replay's
-quarantine rules (:data:`backfill_assets.lake.replay.QUARANTINE_RULES`) and each schema
+quarantine rules (:data:`backfill_assets.lake.write.replay.QUARANTINE_RULES`) and each schema
 version's Python reference decode (:mod:`backfill_assets.spec.transforms.reference`, named by
 the spec's ``decoders``), never Spark's parse, the JVM reader or the upcasters, and hashes the
 typed row it expects the table to hold exactly as Spark's
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from backfill_assets.lake import avro, json_schema, protobuf
+from backfill_assets.lake.decode import avro, json_schema, protobuf
 from backfill_assets.spec.model import ColumnSpec, TopicSpec
 from backfill_assets.spec.transforms import reference
 

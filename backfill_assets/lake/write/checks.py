@@ -2,7 +2,8 @@
 
 Every check reads the branch (never main) restricted to the replayed window's hours, plus the
 quarantine rows this run wrote for them, and compares with a second, independent reading of
-Kafka: the librdkafka pass that fixed the windows (:mod:`backfill_assets.lake.windows`) counted the
+Kafka: the librdkafka pass that fixed the windows (:mod:`backfill_assets.lake.offsets.windows`)
+counted the
 committed records of every hour and summed a hash of their partition, offset, key and value
 bytes. A dropped row, an extra (aborted) record, a shifted window or a repeated offset changes
 those figures for some hour, so the checks can fail. In a single-run partition range Dagster
@@ -15,8 +16,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets.lake.content import miss_bound, sample_condition
-from backfill_assets.lake.replay import ReplayOutcome, hour_key, window_filter
+from backfill_assets.lake.decode.content import miss_bound, sample_condition
+from backfill_assets.lake.write.replay import ReplayOutcome, hour_key, window_filter
 from backfill_assets.spec.model import ColumnSpec, TopicSpec
 
 if TYPE_CHECKING:
@@ -141,7 +142,8 @@ def table_figures(
 ) -> dict[str, Any]:
     """Per hour: rows, quarantined, hash sums of Kafka bytes and of parsed content
     (``content_per_hour`` and its rows ``content_rows_per_hour``: over the rows in the 1-in-
-    ``content_sample`` sample of :func:`backfill_assets.lake.content.in_sample`, every row for
+    ``content_sample`` sample of :func:`backfill_assets.lake.decode.content.in_sample`, every row
+    for
     1, what the window's decode covered), rows per
     event-time hour, quarantined per reason; repeated offsets; repeated and conflicting event
     ids. Rows and quarantine are grouped by (partition, offset), then by (hour, reason, event
@@ -620,7 +622,7 @@ def _quarantine_ratio(spec: TopicSpec, outcome: ReplayOutcome) -> CheckOutcome:
 
 def _decoded_content(table_side: dict[str, Any], outcome: ReplayOutcome) -> CheckOutcome:
     """Per hour, the branch's rows against the independent decode of the same Kafka records
-    (:mod:`backfill_assets.lake.content`): the rows it expects and the sum of their content
+    (:mod:`backfill_assets.lake.decode.content`): the rows it expects and the sum of their content
     hashes (Spark's ``xxhash64`` of partition, offset, tombstone flag and every typed column,
     the same expression the figures sum over the branch). A window of at most
     ``BACKFILL_CONTENT_SAMPLE_ABOVE`` records is decoded whole: one altered value changes its

@@ -4,7 +4,7 @@ A topic deleted and recreated (or served by another cluster after a failover) is
 under the same name: its offsets restart at 0, so the ledger's offsets of the old log say
 nothing about it (chained on, they would make windows wrong and the gap detection think
 everything is published). Kafka's identity (:meth:`KafkaClient.topic_identity`) is compared
-with the ledger's current log (:func:`backfill_assets.lake.ledger.current_log`): when they
+with the ledger's current log (:func:`backfill_assets.lake.offsets.ledger.current_log`): when they
 differ, nothing of the topic is read or published until an operator adopts the new log
 (``backfill-assets adopt``, an ``adopt`` ledger row). A ledger that knows no identity yet (rows
 written before it was kept) adopts Kafka's silently on the next publish.
@@ -18,7 +18,7 @@ from typing import Any
 from pyiceberg.catalog import Catalog
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.lake import ledger
+from backfill_assets.lake.offsets import ledger
 from backfill_assets.stack.kafka import KafkaClient, TopicIdentity
 
 

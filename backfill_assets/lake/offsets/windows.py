@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.lake.content import in_sample, partition_seed, position_hash
+from backfill_assets.lake.decode.content import in_sample, partition_seed, position_hash
 from backfill_assets.stack.kafka import through_failover
 
 if TYPE_CHECKING:
-    from backfill_assets.lake.archive import Archive
+    from backfill_assets.lake.offsets.archive import Archive
     from backfill_assets.stack.kafka import KafkaClient
 
 HOUR = timedelta(hours=1)
@@ -72,7 +72,7 @@ _PACK_LONG = struct.Struct("<q").pack
 _BATCH, _POLL_S = 10_000, 0.05
 _XXH64 = xxhash.xxh64_intdigest
 # An independent decode of one record (partition, offset, key, value) -> (kind, detail): see
-# :class:`backfill_assets.lake.content.RecordDecoder`.
+# :class:`backfill_assets.lake.decode.content.RecordDecoder`.
 Decode = Callable[[int, int, "bytes | None", "bytes | None"], tuple[str, Any]]
 
 
@@ -80,7 +80,8 @@ def record_hash(partition: int, offset: int, key: bytes | None, value: bytes | N
     """A 64-bit hash of one record as Kafka holds it; sums of it are order-independent.
 
     It is Spark's ``xxhash64(partition int, offset bigint, key, value, key IS NULL, value IS
-    NULL)`` (:func:`backfill_assets.lake.replay.record_hash_expr`): XXH64 chained from seed 42,
+    NULL)`` (:func:`backfill_assets.lake.write.replay.record_hash_expr`): XXH64 chained from seed
+    42,
     each input hashed with the previous hash as seed (ints as 4 and longs as 8 little-endian
     bytes, booleans as the int 0/1, binary as its bytes, a NULL skipped), as a signed long.
     """
@@ -353,7 +354,7 @@ class _Cursor:
 @dataclass
 class _Decoding:
     """The independent decode of a scan's records: every record of a window of at most
-    ``whole_up_to`` records, else those :func:`backfill_assets.lake.content.in_sample` picks
+    ``whole_up_to`` records, else those :func:`backfill_assets.lake.decode.content.in_sample` picks
     for ``sample``. The records outside the sample wait (their bytes, not decoded) until the
     window proves larger than ``whole_up_to``, or are decoded at the end (:meth:`finish`)."""
 
@@ -428,9 +429,10 @@ def scan(
     partition, hour and offsets, and never returns a guess.
 
     With ``decode``, the records of the windows are also decoded on the way (the independent
-    decode of :mod:`backfill_assets.lake.content`) and the cells sum what it says: every record
+    decode of :mod:`backfill_assets.lake.decode.content`) and the cells sum what it says: every
+    record
     when the windows hold at most ``decode_whole_up_to`` records, else the 1 in
-    ``decode_sample`` that :func:`~backfill_assets.lake.content.in_sample` picks
+    ``decode_sample`` that :func:`~backfill_assets.lake.decode.content.in_sample` picks
     (``Windows.content_sample`` says which).
     """
     now = now or datetime.now(UTC)

@@ -3,7 +3,7 @@
 Steps, and what is atomic:
 
 1. **Contract**: the window ``[start, end)`` becomes, per hour and partition, a fixed offset
-   range (:mod:`backfill_assets.lake.windows`: chained on the ledger's published windows,
+   range (:mod:`backfill_assets.lake.offsets.windows`: chained on the ledger's published windows,
    sealed only when Kafka can no longer add to it). The same librdkafka pass counts and hashes
    what Kafka holds there, for the checks. No consumer group is joined or committed.
 2. **Read**: Spark's Kafka batch source reads exactly those offsets, committed records only,
@@ -17,8 +17,8 @@ Steps, and what is atomic:
 4. **Write**: quarantine rows overwrite the window's hours in the quarantine table (one atomic
    commit, kept even if the run fails, as evidence). Table rows overwrite the window's hours on
    a branch unique to the run (one atomic commit on the branch; main is not touched).
-5. **Audit**: the checks read the branch (see :mod:`backfill_assets.lake.checks`).
-6. **Publish**: :func:`backfill_assets.lake.wap.publish` (one catalog commit, or nothing).
+5. **Audit**: the checks read the branch (see :mod:`backfill_assets.lake.write.checks`).
+6. **Publish**: :func:`backfill_assets.lake.write.wap.publish` (one catalog commit, or nothing).
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.lake import avro, identity, json_schema, ledger, protobuf
-from backfill_assets.lake.archive import Archive
-from backfill_assets.lake.content import RecordDecoder
-from backfill_assets.lake.wap import SUMMARY_PREFIX, Branch, open_branch, ref_sql
-from backfill_assets.lake.windows import Decode, Windows, scan
+from backfill_assets.lake.decode import avro, json_schema, protobuf
+from backfill_assets.lake.decode.content import RecordDecoder
+from backfill_assets.lake.offsets import identity, ledger
+from backfill_assets.lake.offsets.archive import Archive
+from backfill_assets.lake.offsets.windows import Decode, Windows, scan
+from backfill_assets.lake.write.wap import SUMMARY_PREFIX, Branch, open_branch, ref_sql
 from backfill_assets.spec.model import SPARK_TYPES, ColumnSpec, TopicSpec
 from backfill_assets.stack import faults
 
@@ -188,7 +189,7 @@ class ReplayOutcome:
     """What one replay wrote, with the figures the checks and the UI need.
 
     The figures from ``rows_written`` on describe the run's branch and quarantine rows as
-    written: :func:`backfill_assets.lake.checks.run_checks` measures them when it audits the
+    written: :func:`backfill_assets.lake.write.checks.run_checks` measures them when it audits the
     branch (one aggregation for checks and figures) and sets them here."""
 
     contract: OffsetContract
@@ -285,14 +286,15 @@ def offset_contract(
     decode_sample: int = 1,
     decode_whole_up_to: int = 50_000,
 ) -> OffsetContract:
-    """The exact offsets of hours ``[start, end)`` (see :func:`backfill_assets.lake.windows.scan`),
+    """The exact offsets of hours ``[start, end)`` (see
+    :func:`backfill_assets.lake.offsets.windows.scan`),
     chained on ``published`` (the ledger's windows of the topic's raw table); with ``decode``,
-    the records are also decoded independently (:mod:`backfill_assets.lake.content`): all of
+    the records are also decoded independently (:mod:`backfill_assets.lake.decode.content`): all of
     them up to ``decode_whole_up_to`` records, else 1 in ``decode_sample``.
 
     Offsets below a partition's log start offset come from the archive. Raises
-    :class:`~backfill_assets.lake.windows.WindowNotSealed` or
-    :class:`~backfill_assets.lake.windows.WindowError` rather than guess.
+    :class:`~backfill_assets.lake.offsets.windows.WindowNotSealed` or
+    :class:`~backfill_assets.lake.offsets.windows.WindowError` rather than guess.
     """
     windows = scan(
         kafka,
@@ -431,10 +433,11 @@ def parse(
     ``raw`` is the Kafka source's frame after :func:`attribute`. Nothing is deduplicated. The
     rule for every kind of bad input, first match wins, is in :data:`QUARANTINE_RULES`; a
     tombstone (NULL value) is a row. An avro topic's values are decoded by
-    :func:`backfill_assets.lake.avro.decode_stage` with ``writers`` (every schema id of the
-    window, :func:`backfill_assets.lake.avro.resolve`), a protobuf topic's by
-    :func:`backfill_assets.lake.protobuf.decode_stage`. A json_schema topic's header is checked
-    against ``writers`` (:func:`backfill_assets.lake.json_schema.resolve`), then the payload
+    :func:`backfill_assets.lake.decode.avro.decode_stage` with ``writers`` (every schema id of the
+    window, :func:`backfill_assets.lake.decode.avro.resolve`), a protobuf topic's by
+    :func:`backfill_assets.lake.decode.protobuf.decode_stage`. A json_schema topic's header is
+    checked
+    against ``writers`` (:func:`backfill_assets.lake.decode.json_schema.resolve`), then the payload
     after it is read by the json rules.
 
     The JSON is read once per record by the strict JVM reader
@@ -656,7 +659,8 @@ def _json_rules(
 
 
 def _avro_rules() -> list[tuple[Column, Column]]:
-    """An avro value's wire-format reason (:func:`backfill_assets.lake.avro.decode_stage`)."""
+    """An avro value's wire-format reason
+    (:func:`backfill_assets.lake.decode.avro.decode_stage`)."""
     from pyspark.sql import functions as F
 
     return [(F.col("_wire").isNotNull(), F.col("_wire"))]
@@ -725,7 +729,7 @@ def window_filter(contract: OffsetContract, column: str = "kafka_hour") -> Colum
 
 
 def record_hash_expr() -> Column:
-    """:func:`backfill_assets.lake.windows.record_hash` in Spark, over the Kafka columns."""
+    """:func:`backfill_assets.lake.offsets.windows.record_hash` in Spark, over the Kafka columns."""
     from pyspark.sql import functions as F
 
     key, value = F.col("key"), F.col("value")
@@ -738,7 +742,7 @@ def attribute(spark: SparkSession, source: DataFrame, contract: OffsetContract) 
     from pyspark.sql import functions as F
     from pyspark.sql.types import LongType, StructField, StructType
 
-    from backfill_assets.lake.windows import as_spark_rows
+    from backfill_assets.lake.offsets.windows import as_spark_rows
 
     if contract.windows is None:
         raise ReplayError("attribute() needs a contract made by offset_contract()")
@@ -802,7 +806,7 @@ def window_contract(
 ) -> OffsetContract:
     """Step 1: the window's exact offsets, chained on the raw table's ledger. Needs no Spark,
     so a run does it while its Spark session starts. Raises
-    :class:`~backfill_assets.lake.identity.TopicReplaced` before computing anything when
+    :class:`~backfill_assets.lake.offsets.identity.TopicReplaced` before computing anything when
     Kafka's log of the topic is not the ledger's."""
     cat, raw_name = iceberg.catalog(), iceberg.spark_name(spec.raw_table)
     read = identity.check(kafka, cat, settings.catalog.namespace, spec.topic, raw_name)

@@ -2,7 +2,8 @@
 (the Dagster asset and hourly schedule that run it are in :mod:`backfill_assets.defs.archiver`).
 
 Each run archives the committed records of every partition from where its archive ends up to
-the last stable offset seen when the run starts (see :mod:`backfill_assets.lake.archive` for the
+the last stable offset seen when the run starts (see :mod:`backfill_assets.lake.offsets.archive`
+for the
 layout and why each offset is archived exactly once), re-archives legacy files (written before
 the archive read committed records only) that Kafka still holds, then appends one ``archive``
 row to the audit table. Offsets that Kafka deleted before they were archived, offsets an open
@@ -17,8 +18,8 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from backfill_assets.lake import audit
-from backfill_assets.lake.archive import Archive, PartitionRun
+from backfill_assets.lake.offsets.archive import Archive, PartitionRun
+from backfill_assets.lake.write import audit
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.catalog import CatalogClient
 from backfill_assets.stack.kafka import KafkaClient

@@ -38,7 +38,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets.lake import avro
+from backfill_assets.lake.decode import avro
 from backfill_assets.spec import proto
 from backfill_assets.spec.model import TopicSpec
 
@@ -246,7 +246,7 @@ def message_path(value: bytes) -> tuple[tuple[int, ...], int] | None:
 
 class IndependentDecode:
     """The decoded_content check's own decode of a protobuf value
-    (:class:`backfill_assets.lake.content.RecordDecoder`): confluent-kafka's
+    (:class:`backfill_assets.lake.decode.content.RecordDecoder`): confluent-kafka's
     ``ProtobufDeserializer`` (Python's protobuf runtime, its own registry client) with a message
     class built from the registry's writer schema of each id. Returns the typed row (a timestamp
     as epoch microseconds) or the quarantine reason; nothing of the JVM decoder is used."""

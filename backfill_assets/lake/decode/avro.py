@@ -278,7 +278,7 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 class IndependentDecode:
     """The decoded_content check's own decode of an avro value
-    (:class:`backfill_assets.lake.content.RecordDecoder`): confluent-kafka's AvroDeserializer
+    (:class:`backfill_assets.lake.decode.content.RecordDecoder`): confluent-kafka's AvroDeserializer
     (fastavro, with its own registry client) reads each record with its writer schema resolved
     to the same reader schema; nothing of Spark's decoder is used. Returns the typed row (a
     timestamp as epoch microseconds) or the quarantine reason.

@@ -22,7 +22,8 @@ SQL sees only winners, as the relation named after the topic.
   from all of main's raw rows, so re-publishing or rolling back raw hours and re-running
   converges; a key with no raw row left is removed.
 
-Each is written on a run branch and published through :mod:`backfill_assets.lake.wap`; each build
+Each is written on a run branch and published through :mod:`backfill_assets.lake.write.wap`; each
+build
 function returns the branch and the audit outcomes it computed on that branch.
 """
 
@@ -34,9 +35,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets.lake import checks
-from backfill_assets.lake.checks import CheckOutcome
-from backfill_assets.lake.wap import Branch, open_branch, ref_snapshot
+from backfill_assets.lake.write import checks
+from backfill_assets.lake.write.checks import CheckOutcome
+from backfill_assets.lake.write.wap import Branch, open_branch, ref_snapshot
 from backfill_assets.spec import declared
 from backfill_assets.spec.model import EVENT_META_COLUMNS, SPARK_TYPES, TableSpec, TopicSpec
 

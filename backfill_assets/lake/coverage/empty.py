@@ -5,7 +5,7 @@ those before the first published hour (since the spec's ``partition_start``), th
 separately published ranges (the gap sensor requests each run of hours holding records, so an
 empty hour splits its requests), and those after the newest record. Each is *known empty* only
 from facts that cannot be wrong on any topic (transactional, compacted, with skewed clocks),
-under the window rules of :mod:`backfill_assets.lake.windows` (a record belongs to the hour
+under the window rules of :mod:`backfill_assets.lake.offsets.windows` (a record belongs to the hour
 whose offset range holds it; boundary T is the first committed record at or after the previous
 boundary whose timestamp is >= T):
 
@@ -39,7 +39,7 @@ from datetime import UTC, datetime, timedelta
 
 from pyiceberg.catalog import Catalog
 
-from backfill_assets.lake import identity, ledger
+from backfill_assets.lake.offsets import identity, ledger
 from backfill_assets.spec import declared
 from backfill_assets.spec.model import TableSpec, TopicSpec
 from backfill_assets.stack.kafka import KafkaClient

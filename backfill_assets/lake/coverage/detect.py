@@ -1,7 +1,7 @@
 """What is missing or stale: the Kafka log compared with what main of each table has published.
 
 The authoritative checkpoint is the ledger of published windows
-(:mod:`backfill_assets.lake.ledger`), which table maintenance cannot erase: a rolled-back
+(:mod:`backfill_assets.lake.offsets.ledger`), which table maintenance cannot erase: a rolled-back
 publish is no longer live and so becomes a gap again.
 Everything here reads Kafka metadata, Iceberg metadata and the ledger (pyiceberg), never the
 tables' data files (the late-data look-up too: the ledger records the event-time hours of each
@@ -32,7 +32,7 @@ from typing import Any
 from pyiceberg.catalog import Catalog
 
 from backfill_assets.errors import KafkaClientError
-from backfill_assets.lake import identity, ledger
+from backfill_assets.lake.offsets import identity, ledger
 from backfill_assets.spec import declared
 from backfill_assets.spec.model import TableSpec, TopicSpec
 from backfill_assets.stack.kafka import KafkaClient
@@ -84,7 +84,8 @@ class Findings:
 
 def published(catalog: Catalog, identifier: str) -> list[Publish]:
     """Live publishes of ``namespace.table``, newest first, one per covered hour, from the
-    ledger (:mod:`backfill_assets.lake.ledger`): it survives snapshot expiry, and a rolled-back
+    ledger (:mod:`backfill_assets.lake.offsets.ledger`): it survives snapshot expiry, and a
+    rolled-back
     publish is no longer live."""
     namespace = identifier.split(".", 1)[0]
     entries = ledger.coverage(catalog, namespace, f"{catalog.name}.{identifier}")
@@ -761,7 +762,7 @@ def _retention_risks(
     kept_ms = retention_ms(kafka, topic)
     if kept_ms is None or kept_ms < 0:
         return []
-    from backfill_assets.lake.archive import Archive
+    from backfill_assets.lake.offsets.archive import Archive
 
     store = Archive(kafka.settings)
     out = []

@@ -2,19 +2,19 @@
 
 A value is magic byte 0, the registry's schema id (4 bytes, big-endian), then UTF-8 JSON. Every
 id present in a window (the librdkafka scan collects them,
-:attr:`backfill_assets.lake.windows.Windows.schema_ids`) is looked up in the schema registry
+:attr:`backfill_assets.lake.offsets.windows.Windows.schema_ids`) is looked up in the schema registry
 once per run (:func:`resolve`):
 
 * the registry has no such id: its records are quarantined ``unknown_schema_id:<id>``;
 * the id's schema is not a JSON Schema (an Avro or Protobuf one): ``incompatible_schema:<id>``;
 * otherwise the payload after the 5-byte header is read exactly as a ``json`` topic's value
-  (:func:`backfill_assets.lake.replay.parse`: the same strict reader, versions, upcasters and
+  (:func:`backfill_assets.lake.write.replay.parse`: the same strict reader, versions, upcasters and
   column rules). The columns are the spec's; the payload is not validated against the JSON
   schema (the columns' rules are the contract).
 
 A value shorter than the header or not starting with 0 is quarantined
 ``not_json_schema_wire_format``. The independent decode behind the ``decoded_content`` check
-(:class:`backfill_assets.lake.content.RecordDecoder`) uses :class:`WireCheck`: the header and
+(:class:`backfill_assets.lake.decode.content.RecordDecoder`) uses :class:`WireCheck`: the header and
 the id checked in plain Python against the registry with its own client, never Spark.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from backfill_assets.lake import avro
+from backfill_assets.lake.decode import avro
 
 if TYPE_CHECKING:
     from confluent_kafka.schema_registry import SchemaRegistryClient
@@ -46,14 +46,15 @@ def judge(sid: int, found: tuple[str, str] | None) -> avro.Writer:
 
 def resolve(url: str, ids: Iterable[int]) -> dict[int, avro.Writer]:
     """Every schema id of ``ids`` judged (:func:`judge`) against the registry at ``url``; a
-    registry that does not answer raises :class:`~backfill_assets.lake.avro.RegistryUnavailable`."""
+    registry that does not answer raises
+    :class:`~backfill_assets.lake.decode.avro.RegistryUnavailable`."""
     registry = avro.client(url)
     return {sid: judge(sid, avro.lookup(registry, sid)) for sid in sorted(set(ids))}
 
 
 def wire_rules(writers: Mapping[int, avro.Writer]) -> list[tuple[Column, Column]]:
     """The wire-format reasons of a value (conditions over the Kafka ``value``'s id column
-    ``_sid``, :func:`backfill_assets.lake.avro.id_column`), first match wins."""
+    ``_sid``, :func:`backfill_assets.lake.decode.avro.id_column`), first match wins."""
     from pyspark.sql import functions as F
 
     sid = F.col("_sid")

@@ -2,7 +2,7 @@
 
 :func:`publish` takes a run's branch and its blocking check results. It publishes only when
 every check passed, by one atomic Iceberg commit that fast-forwards main to the audited branch
-(:func:`backfill_assets.lake.wap.publish`). When main moved under the run through publishes of
+(:func:`backfill_assets.lake.write.wap.publish`). When main moved under the run through publishes of
 disjoint windows, ``rebase(attempt)`` re-applies the run's rows on a new branch from main and
 re-runs the checks, up to ``BACKFILL_PUBLISH_ATTEMPTS`` times; an overlapping publish is
 refused, naming its run.
@@ -23,9 +23,10 @@ from datetime import datetime
 from typing import Any
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.lake import audit, checks, derived, identity, ledger, replay, wap, windows
-from backfill_assets.lake.checks import CheckOutcome
-from backfill_assets.lake.replay import ReplayOutcome
+from backfill_assets.lake.offsets import identity, ledger, windows
+from backfill_assets.lake.write import audit, checks, derived, replay, wap
+from backfill_assets.lake.write.checks import CheckOutcome
+from backfill_assets.lake.write.replay import ReplayOutcome
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.catalog import CatalogClient
 from backfill_assets.stack.faults import failpoint
@@ -250,7 +251,8 @@ def _attempt(
 def _check_identity(tables: CatalogClient, request: PublishRequest) -> None:
     """Right before each publish attempt: the log the run's windows were read from must still
     be Kafka's log of the topic and the ledger's (a topic deleted and recreated, or failed
-    over, while the run ran raises :class:`~backfill_assets.lake.identity.TopicReplaced`)."""
+    over, while the run ran raises
+    :class:`~backfill_assets.lake.offsets.identity.TopicReplaced`)."""
     if request.topic is None or request.identity is None:
         return
     identity.still_same(

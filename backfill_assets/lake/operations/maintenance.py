@@ -12,12 +12,13 @@ as the previous step left it, and the pass goes on with the next step):
 3. **Compact** small data files (``rewrite_data_files``, bin-pack) and manifests
    (``rewrite_manifests``) on main. Each is one ``replace`` commit that keeps the content; a
    run auditing on a branch meanwhile sees main moved through a commit that published nothing,
-   so its publish rebases (:mod:`backfill_assets.lake.wap`) as for any other commit.
+   so its publish rebases (:mod:`backfill_assets.lake.write.wap`) as for any other commit.
 4. **Expire snapshots** older than the snapshot retention, keeping at least ``min_snapshots``
    of every branch, and always keeping main as it was before every publish finished within the
-   retention (what :mod:`backfill_assets.lake.rollback` restores) and the part of main every
+   retention (what :mod:`backfill_assets.lake.operations.rollback` restores) and the part of main
+   every
    kept branch forked from (what a publish's rebase check walks). Rolling back an older
-   publish fails with :class:`~backfill_assets.lake.rollback.RollbackError` naming the
+   publish fails with :class:`~backfill_assets.lake.operations.rollback.RollbackError` naming the
    expired snapshot.
 5. **Remove orphan files** older than the orphan retention (files of failed writes).
 
@@ -39,7 +40,8 @@ from pyiceberg.exceptions import NoSuchTableError
 from pyiceberg.table.refs import SnapshotRefType
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.lake import audit, ledger, wap
+from backfill_assets.lake.offsets import ledger
+from backfill_assets.lake.write import audit, wap
 from backfill_assets.stack import catalog as catalog_mod
 from backfill_assets.stack import spark as spark_mod
 from backfill_assets.stack.settings import MaintenanceSettings, Settings

@@ -1,0 +1,1 @@
+"""Operations on published tables: rollback, maintenance and the archiver's run."""
