@@ -257,7 +257,7 @@ def test_range_in_neither_kafka_nor_archive_fails_naming_offsets(
 def test_unknown_offsets_rule() -> None:
     """Offsets below the log start that are not archived block a window that overlaps them
     or begins right after them (their timestamps are unknown), and nothing else."""
-    from backfill_assets.lake.offsets.windows import _unknown
+    from backfill_assets.lake.offsets.scan import _unknown
 
     assert _unknown(40, 100, [(0, 100)]) is None  # fully archived below log start
     assert _unknown(100, 100, []) == (0, 100)  # window may begin in deleted data

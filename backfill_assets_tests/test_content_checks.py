@@ -154,7 +154,8 @@ def test_an_integer_reads_as_the_same_number_as_a_decimal(number: str, spark_typ
 
 
 def test_a_small_window_is_decoded_whole_and_a_large_one_by_its_sample() -> None:
-    from backfill_assets.lake.offsets.windows import Cell, _Decoding
+    from backfill_assets.lake.offsets.scan import _Decoding
+    from backfill_assets.lake.offsets.windows import Cell
 
     seen: list[tuple[int, int]] = []
 

@@ -30,7 +30,8 @@ import pytest
 from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.defs.definitions import SPECS
 from backfill_assets.lake.offsets import ledger
-from backfill_assets.lake.offsets.windows import HOUR, scan
+from backfill_assets.lake.offsets.scan import scan
+from backfill_assets.lake.offsets.windows import HOUR
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog

@@ -812,12 +812,12 @@ def test_a_partition_whose_first_segment_the_cleaner_emptied_keeps_its_records(
 ) -> None:
     """The hours' windows of a compacted partition whose first segment the cleaner emptied
     still hold the surviving records, not start at the end (Kafka's -1 is checked)."""
-    from backfill_assets.lake.offsets import windows as offset_windows
+    from backfill_assets.lake.offsets import scan as offset_scan
     from backfill_assets.stack.kafka import KafkaClient
 
     topic, survivors = emptied_topic
     later = [o for o in survivors if o >= 20]
-    got = offset_windows.scan(
+    got = offset_scan.scan(
         KafkaClient(stack_settings), topic, EMPTIED_HOUR, EMPTIED_HOUR + timedelta(hours=3)
     )
     cells = {

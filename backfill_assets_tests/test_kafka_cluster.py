@@ -31,7 +31,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 from pyspark.sql import SparkSession
 
-from backfill_assets.lake.offsets.windows import scan
+from backfill_assets.lake.offsets.scan import scan
 from backfill_assets.lake.write import replay
 from backfill_assets.ops import cli
 from backfill_assets.stack.kafka import KafkaClient

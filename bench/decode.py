@@ -50,7 +50,7 @@ def main() -> None:
 
     from backfill_assets.demo.generator import GeneratorConfig, plan_events
     from backfill_assets.lake.decode import content
-    from backfill_assets.lake.offsets import windows
+    from backfill_assets.lake.offsets import scan, windows
     from backfill_assets.spec.loader import load_specs
 
     planned = plan_events(
@@ -86,7 +86,7 @@ def main() -> None:
     whole = timed("RecordDecoder (decode + content hash)", decode)
     timed("in_sample(p, o, 16)", lambda p, o, k, v: content.in_sample(p, o, 16))
     for k in (16, 8):
-        sampled = windows._Decoding(decode, k, 0)  # a "large" window: only the sample
+        sampled = scan._Decoding(decode, k, 0)  # a "large" window: only the sample
         timed(
             f"the scan's count and decode, 1 in {k}",
             lambda p, o, key, v, d=sampled: d.add(cell, p, o, key, v, cell.add(o, key, v, p)),

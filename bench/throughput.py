@@ -69,7 +69,7 @@ HISTORY_START = datetime(2026, 9, 1, tzinfo=UTC)
 CHILD_MARKER = "BENCH_CHILD_RESULT "
 MEMORY_GOAL = 1.2  # driver peak RSS at 10x range <= 1.2x that at 1x
 PHASE_CHECKS = "[phase] checks.run_checks, all of it"
-PHASE_SCAN = "[phase] windows.scan (librdkafka count + hash), all of it"
+PHASE_SCAN = "[phase] scan.scan (librdkafka count + hash), all of it"
 PHASE_PUBLISH = "[phase] wap.publish, all of it"
 PHASES = (PHASE_CHECKS, PHASE_SCAN, PHASE_PUBLISH)
 AVRO_UNKNOWN_ID = 987_654  # --format avro: the id framing half of the malformed records
@@ -381,7 +381,7 @@ def librdkafka(settings: Settings, contract: OffsetContract) -> tuple[float, int
     got = 0
     deadline = time.monotonic() + 600
     while todo and time.monotonic() < deadline:
-        # The scan's batch and poll (windows._BATCH, _POLL_S): a full batch or the timeout.
+        # The scan's batch and poll (scan._BATCH, _POLL_S): a full batch or the timeout.
         for msg in consumer.consume(num_messages=10_000, timeout=0.05):
             if msg.error():
                 continue

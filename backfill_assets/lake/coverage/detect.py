@@ -136,7 +136,7 @@ def hours_with_records(
 
     Kafka's -1 ("no record at or after T") is checked against the partition's newest record
     (ListOffsets max-timestamp): once the log cleaner has emptied a compacted partition's first
-    segment, the broker answers -1 for every earlier time (see ``windows._hints``). Such a
+    segment, the broker answers -1 for every earlier time (see ``scan._hints``). Such a
     partition's hours are read instead, from its log start (timestamps of committed records)."""
     hours = []
     hour = first

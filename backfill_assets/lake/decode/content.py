@@ -1,6 +1,6 @@
 """The independent decode behind the raw table's ``decoded_content`` check.
 
-The librdkafka pass that fixes a run's windows (:func:`backfill_assets.lake.offsets.windows.scan`)
+The librdkafka pass that fixes a run's windows (:func:`backfill_assets.lake.offsets.scan.scan`)
 hands
 every committed record of the window to a :class:`RecordDecoder`. It applies the replay's
 quarantine rules (:data:`backfill_assets.lake.write.replay.QUARANTINE_RULES`) and each schema

@@ -35,7 +35,8 @@ from backfill_assets.lake.decode import avro, json_schema, protobuf
 from backfill_assets.lake.decode.content import RecordDecoder
 from backfill_assets.lake.offsets import identity, ledger
 from backfill_assets.lake.offsets.archive import Archive
-from backfill_assets.lake.offsets.windows import Decode, Windows, scan
+from backfill_assets.lake.offsets.scan import scan
+from backfill_assets.lake.offsets.windows import Decode, Windows
 from backfill_assets.lake.write.wap import SUMMARY_PREFIX, Branch, open_branch, ref_sql
 from backfill_assets.spec.model import SPARK_TYPES, ColumnSpec, TopicSpec
 from backfill_assets.stack import faults
@@ -287,7 +288,7 @@ def offset_contract(
     decode_whole_up_to: int = 50_000,
 ) -> OffsetContract:
     """The exact offsets of hours ``[start, end)`` (see
-    :func:`backfill_assets.lake.offsets.windows.scan`),
+    :func:`backfill_assets.lake.offsets.scan.scan`),
     chained on ``published`` (the ledger's windows of the topic's raw table); with ``decode``,
     the records are also decoded independently (:mod:`backfill_assets.lake.decode.content`): all of
     them up to ``decode_whole_up_to`` records, else 1 in ``decode_sample``.
