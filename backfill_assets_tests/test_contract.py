@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from backfill_assets.lake.write import checks, contract
+from backfill_assets.lake.write import checks, schema_contract
 from backfill_assets.spec.loader import load_specs
 from backfill_assets.spec.model import TopicSpec
 
@@ -72,7 +72,9 @@ def test_driver_spark_and_executors_report_the_same_violations(
     there = checks.schema_contract(frame, spec.columns)  # no bound: Spark expressions
     assert not here.passed and not there.passed
     assert here.metadata["violations"] == there.metadata["violations"]
-    assert contract._violations_in_executors(frame, spec.columns) == here.metadata["violations"]
+    assert (
+        schema_contract._violations_in_executors(frame, spec.columns) == here.metadata["violations"]
+    )
     violations = here.metadata["violations"]
     for name, n in EXPECTED.items():
         assert violations.get(name) == n, (name, violations)
@@ -92,7 +94,7 @@ def test_an_understated_bound_falls_back_to_the_executors(
     spark_session: SparkSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A bound that lies must not make the driver validate only the first rows."""
-    monkeypatch.setattr(contract, "CONTRACT_DRIVER_ROWS", 3)
+    monkeypatch.setattr(schema_contract, "CONTRACT_DRIVER_ROWS", 3)
     spec = _orders()
     rows = [_row(i) for i in range(1, 6)] + [_row(6, currency="XXX")]
     outcome = checks.schema_contract(_frame(spark_session, rows), spec.columns, at_most=2)
@@ -129,15 +131,15 @@ def test_a_check_without_a_translation_is_validated_by_pandera_in_executors(
     import pandera.pandas as pa
 
     spec = _orders()
-    plain = contract.contract_schema
+    plain = schema_contract.contract_schema
 
     def with_custom_check(columns: Any) -> pa.DataFrameSchema:
         schema = plain(columns)
         custom = pa.Check(lambda s: s.str.startswith("e"), name="starts_with_e")
         return schema.update_column("event_id", checks=[custom])
 
-    monkeypatch.setattr(contract, "contract_schema", with_custom_check)
+    monkeypatch.setattr(schema_contract, "contract_schema", with_custom_check)
     frame = _frame(spark_session, [_row(1), _row(2, event_id="x2")])
-    assert contract.contract_violations(with_custom_check(spec.columns), frame) is None
+    assert schema_contract.contract_violations(with_custom_check(spec.columns), frame) is None
     outcome = checks.schema_contract(frame, spec.columns)
     assert outcome.metadata["violations"] == {"event_id: starts_with_e": 1}

@@ -538,11 +538,11 @@ def test_each_check_blocks_the_fault_it_exists_to_catch(
     """Each fault, audited the way a small window is (figures and pandera in the driver
     process) and the way a large one is (Spark's aggregations; the contract as Spark
     expressions)."""
-    from backfill_assets.lake.write import checks, contract
+    from backfill_assets.lake.write import checks, schema_contract
 
     if way == "large window":
         monkeypatch.setattr(checks, "FIGURES_DRIVER_ROWS", 0)
-        monkeypatch.setattr(contract, "CONTRACT_DRIVER_ROWS", 0)
+        monkeypatch.setattr(schema_contract, "CONTRACT_DRIVER_ROWS", 0)
     factory, must_fail = MUTATIONS[name]
     main_before = _main_snapshot(spark_session, world.table)
     with branch_mutation(factory(world)):

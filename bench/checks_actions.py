@@ -27,7 +27,7 @@ from typing import Any
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from backfill_assets.lake.write import checks, contract
+from backfill_assets.lake.write import checks, schema_contract
 from backfill_assets.spec.loader import load_specs
 
 
@@ -73,7 +73,7 @@ def _one_action_form(both: DataFrame, counters: dict[str, Column] | None = None)
     )
     figures["resent"], figures["conflicting"] = repeats["resent"], repeats["conflicting"]
     if counted:
-        figures["contract"] = contract.contract_failures(
+        figures["contract"] = schema_contract.contract_failures(
             {name: sum(int(r[f"_c{i}"] or 0) for r in groups) for i, name in enumerate(names)}
         )
     return figures

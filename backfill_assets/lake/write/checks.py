@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.lake.decode.content import miss_bound, sample_condition
-from backfill_assets.lake.write.contract import (
+from backfill_assets.lake.write.replay import ReplayOutcome, hour_key, window_filter
+from backfill_assets.lake.write.schema_contract import (
     contract_failures,
     contract_schema,
     contract_violations,
     violations,
 )
-from backfill_assets.lake.write.replay import ReplayOutcome, hour_key, window_filter
 from backfill_assets.spec.model import ColumnSpec, TopicSpec
 
 if TYPE_CHECKING:
@@ -851,7 +851,7 @@ def schema_contract(
     """The ``schema_contract`` check: pandera's contract for ``columns`` (generated from the
     spec) over ``events`` (which holds exactly those columns); ``at_most`` is an upper bound of
     the rows, when the caller knows one (see
-    :func:`backfill_assets.lake.write.contract.violations`)."""
+    :func:`backfill_assets.lake.write.schema_contract.violations`)."""
     return contract_outcome(violations(events, columns, at_most=at_most), columns)
 
 
