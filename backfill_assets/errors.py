@@ -59,3 +59,7 @@ class KafkaAccessError(KafkaClientError):
     (with ACLs, Kafka answers both the same way): a setting to fix, not an outage."""
 
     kind: ClassVar[ErrorKind] = "usage"
+
+
+class ReplayError(BackfillError):
+    """A replay could not read, write or publish its window."""

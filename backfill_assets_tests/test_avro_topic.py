@@ -199,7 +199,7 @@ def test_bad_records_are_quarantined_with_reason_offsets_and_bytes(world: World)
 def test_each_writer_is_judged_against_the_columns_reader_schema() -> None:
     """No stack: the Python judgement that decides, before any Spark expression, which ids
     decode and which are quarantined (the avro package's resolution rules)."""
-    from backfill_assets.lake.decode import avro
+    from backfill_assets.lake.decode import avro, envelope
 
     spec = _spec("judged")
     latest = {f["name"]: f for f in json.loads(V3)["fields"]}
@@ -230,8 +230,8 @@ def test_each_writer_is_judged_against_the_columns_reader_schema() -> None:
         ]
     )
     assert avro.judge(spec, 6, odd, latest).reason == "incompatible_schema:6"
-    assert avro.schema_id(b"\x00\x00\x00\x01\x00") == 256
-    assert avro.schema_id(b"\x00\x00\x01") is None and avro.schema_id(b"{}") is None
+    assert envelope.schema_id(b"\x00\x00\x00\x01\x00") == 256
+    assert envelope.schema_id(b"\x00\x00\x01") is None and envelope.schema_id(b"{}") is None
 
 
 def test_registry_outage_fails_the_run_and_the_retry_publishes(

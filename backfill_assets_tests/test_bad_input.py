@@ -7,7 +7,7 @@ with that exact reason (holding the record's exact key and value bytes). Nothing
 then left out: read == written + quarantined must hold per hour and in total, in the asset's
 metadata and in the checks' metadata, where "read" is Kafka's own count of committed records.
 
-The rules (first match wins; :data:`backfill_assets.lake.write.replay.QUARANTINE_RULES`):
+The rules (first match wins; :data:`backfill_assets.lake.decode.parse.QUARANTINE_RULES`):
 
 * **too large**: key + value above the topic's ``max_record_bytes`` (topics.yaml, default
   1 MiB, Kafka's own default limit) -> ``record_too_large:<bytes>``, even if the JSON is valid.

@@ -34,7 +34,7 @@ from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import SPECS
 from backfill_assets.demo.generator import GeneratorConfig, generate
 from backfill_assets.lake.decode import content
-from backfill_assets.lake.write.replay import TIMESTAMP_RANGE
+from backfill_assets.lake.decode.parse import TIMESTAMP_RANGE
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.spec.transforms import reference

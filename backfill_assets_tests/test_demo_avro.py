@@ -190,7 +190,7 @@ def test_generate_command_writes_the_avro_topic(
     from confluent_kafka import Consumer, TopicPartition
 
     from backfill_assets.demo import avro
-    from backfill_assets.lake.decode.avro import schema_id
+    from backfill_assets.lake.decode.envelope import schema_id
     from backfill_assets.ops import cli
 
     topic = f"orders_avro_cli_{uuid.uuid4().hex[:8]}"

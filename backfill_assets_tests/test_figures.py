@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from backfill_assets.lake.decode import content
+from backfill_assets.lake.offsets.windows import hour_key
 from backfill_assets.lake.write import checks
-from backfill_assets.lake.write.replay import hour_key
 from backfill_assets.spec.loader import load_specs
 from backfill_assets.spec.model import TopicSpec
 

@@ -32,7 +32,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 from pyspark.sql import SparkSession
 
 from backfill_assets.lake.offsets.scan import scan
-from backfill_assets.lake.write import replay
+from backfill_assets.lake.write import read
 from backfill_assets.ops import cli
 from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import Settings
@@ -121,7 +121,7 @@ def test_a_broker_killed_mid_produce_loses_nothing_that_was_flushed(
     assert counted == dict(delivered)
     # Spark's Kafka source (Java client) reads the same ranges with KafkaSettings.spark_options:
     # SCRAM-SHA-512 through JAAS, the PEM truststore; the session's Spark is classic local.
-    frame = replay._read_kafka(spark_session, cluster.settings, topic, windows.ranges)
+    frame = read._read_kafka(spark_session, cluster.settings, topic, windows.ranges)
     assert frame.count() == 1200
 
     began = time.monotonic()

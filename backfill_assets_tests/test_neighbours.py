@@ -26,6 +26,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.lake.offsets import ledger, windows
+from backfill_assets.lake.offsets.contract import window_contract
 from backfill_assets.lake.write import checks, publish, replay
 from backfill_assets.spec.declared import renamed
 from backfill_assets.stack.catalog import CatalogClient
@@ -93,7 +94,7 @@ def test_windows_fixed_before_a_neighbour_published_are_refused_then_rechain(
     )
 
     # Run B fixes hour 01 while the partition is idle: nothing at or after 01:00 -> [2, 2).
-    contract = replay.window_contract(
+    contract = window_contract(
         settings=stack_settings,
         kafka=kafka,
         iceberg=tables,

@@ -296,7 +296,7 @@ def test_each_record_is_parsed_once(spark_session: SparkSession) -> None:
     reason and the typed columns read its result, they do not re-parse it (a plan that inlines
     the stages parses the JSON once per field and per rule, tens of times), and the VARIANT
     parse no upcaster reads is pruned."""
-    from backfill_assets.lake.write import replay
+    from backfill_assets.lake.decode.parse import parse
 
     spec = next(s for s in SPECS if s.topic == "orders")
     hour = datetime(2026, 7, 1, tzinfo=UTC)
@@ -306,7 +306,7 @@ def test_each_record_is_parsed_once(spark_session: SparkSession) -> None:
         "topic string, partition int, offset long, timestamp timestamp, kafka_hour timestamp, "
         "record_hash long, key binary, value binary",
     )
-    rows, quarantine, parsed = replay.parse(spec, source, "run")
+    rows, quarantine, parsed = parse(spec, source, "run")
     try:
         assert (parsed.count(), rows.count(), quarantine.count()) == (5, 1, 4)
         for frame in (parsed, rows, quarantine):

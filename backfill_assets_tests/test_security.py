@@ -28,7 +28,9 @@ import pytest
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import SPECS
 from backfill_assets.demo.generator import GeneratorConfig, generate
-from backfill_assets.lake.write import audit, replay
+from backfill_assets.lake.offsets.contract import OffsetContract
+from backfill_assets.lake.write import audit
+from backfill_assets.lake.write.read import read_contract
 from backfill_assets.spec.declared import renamed
 from backfill_assets.stack import catalog
 from backfill_assets.stack.broker import LocalBroker
@@ -270,9 +272,9 @@ def test_backfill_through_sasl_leaks_the_password_nowhere(
             assert run is not None
             run_text = dg.serialize_value(run)
         # Spark conf and the plan of a Kafka read with the SASL options.
-        contract = replay.OffsetContract(topic, START, START, {0: (0, 1)})
+        contract = OffsetContract(topic, START, START, {0: (0, 1)})
         plan = str(
-            replay.read_contract(spark_session, sasl_stack.settings, contract)
+            read_contract(spark_session, sasl_stack.settings, contract)
             ._jdf.queryExecution()
             .toString()
         )

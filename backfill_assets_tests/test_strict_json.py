@@ -13,7 +13,8 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets.lake.write import replay
+from backfill_assets.lake.decode import json_payload
+from backfill_assets.lake.decode.parse import parse
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.loader import load_specs
 from backfill_assets.spec.transforms import StrictReader, json_field, reading
@@ -96,7 +97,7 @@ def _readings(
         nested = json_field(payload, "$.n.b", "bigint")
     present = reader.field("$.a", "present")
     assert present is not None
-    end = replay._END
+    end = json_payload._END
     w = F.try_parse_json(F.concat(F.lit("["), F.col("v"), F.lit(f',"{end}"]')))
     whole = (F.try_variant_get(w, "$[1]", "string") == F.lit(end)) & F.try_variant_get(
         w, "$[2]", "variant"
@@ -212,7 +213,7 @@ def test_an_upcaster_that_reads_the_variant_itself_still_works(
         "topic string, partition int, offset long, timestamp timestamp, kafka_hour timestamp, "
         "record_hash long, key binary, value binary",
     )
-    _rows, _quarantine, parsed = replay.parse(spec, source, "run")
+    _rows, _quarantine, parsed = parse(spec, source, "run")
     try:
         got = {
             r["kafka_offset"]: r["_reason"]

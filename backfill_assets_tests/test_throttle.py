@@ -6,8 +6,10 @@ from datetime import UTC, datetime
 
 import pytest
 
+from backfill_assets.errors import ReplayError
+from backfill_assets.lake.offsets.contract import OffsetContract
 from backfill_assets.lake.offsets.windows import Cell, Windows
-from backfill_assets.lake.write.replay import OffsetContract, ReplayError, chunk_contract
+from backfill_assets.lake.write.read import chunk_contract
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -117,7 +117,8 @@ def main() -> None:
         }
     )
     from backfill_assets.demo.generator import GeneratorConfig, generate
-    from backfill_assets.lake.write.replay import offset_contract, read_contract, read_throttled
+    from backfill_assets.lake.offsets.contract import offset_contract
+    from backfill_assets.lake.write.read import read_contract, read_throttled
     from backfill_assets.stack import spark as spark_mod
     from backfill_assets.stack.broker import LocalBroker
     from backfill_assets.stack.kafka import KafkaClient

@@ -724,7 +724,7 @@ def hand_written_floor(settings: Settings, spec: TopicSpec, days: int, command: 
     ``BACKFILL_SPARK_DRIVER_MEMORY=8g``."""
     import throughput  # bench/throughput.py
 
-    from backfill_assets.lake.write.replay import offset_contract
+    from backfill_assets.lake.offsets.contract import offset_contract
     from backfill_assets.stack import catalog
     from backfill_assets.stack import spark as spark_mod
     from backfill_assets.stack.kafka import KafkaClient

@@ -3,7 +3,7 @@
 Generates ``--hours`` x ``--events-per-hour`` orders records (the demo generator's planned
 records: valid, malformed, tombstones, both schema versions), stores them once as Parquet in the
 Kafka source's layout, then times (best of ``--repeat``, noop sink) pieces of
-``replay.parse``'s projection against ``from_json`` with a typed schema, in one Spark session.
+``parse.parse``'s projection against ``from_json`` with a typed schema, in one Spark session.
 
 Run from the repository root (after scripts/bootstrap.sh):
     .venv/bin/python bench/parse.py
@@ -45,8 +45,10 @@ def main() -> None:
     from pyspark.sql import functions as F
 
     from backfill_assets.demo.generator import GeneratorConfig, plan_events
-    from backfill_assets.lake.write import replay
+    from backfill_assets.lake.decode import parse
+    from backfill_assets.lake.write import read
     from backfill_assets.spec.loader import load_specs
+    from backfill_assets.spec.model import SPARK_TYPES
     from backfill_assets.stack.settings import Settings
     from backfill_assets.stack.spark import get_session
 
@@ -87,23 +89,23 @@ def main() -> None:
             best = min(_seconds(fn) for _ in range(args.repeat))
             print(f"  {label:<58} {best:7.2f}s {n / best:10,.0f} rec/s", flush=True)
 
-        cache = replay.cache
-        replay.cache = lambda df: df  # no cache: time the projection itself
+        cache = parse.cache_on_disk
+        parse.cache_on_disk = lambda df: df  # no cache: time the projection itself
         try:
-            _, _, parsed = replay.parse(spec, src, "bench")
+            _, _, parsed = parse.parse(spec, src, "bench")
         finally:
-            replay.cache = cache
+            parse.cache_on_disk = cache
         if args.parse_only:
             noop(parsed)  # warm: class loading, JIT
             print(f"{n:,} records, best of {args.repeat} after one warm-up run:")
             timed("parse: everything (no filter, no cache)", lambda: noop(parsed))
             return
         text = F.col("value").cast("string")
-        typed = ", ".join(f"`{c.name}` {replay._SPARK_TYPES[c.type]}" for c in spec.columns)
+        typed = ", ".join(f"`{c.name}` {SPARK_TYPES[c.type]}" for c in spec.columns)
         print(f"{n:,} records, best of {args.repeat}:")
         timed("source only", lambda: noop(src))
         timed("try_parse_json(value)", lambda: noop(src.select(F.try_parse_json(text))))
-        timed("replay.record_hash_expr()", lambda: noop(src.select(replay.record_hash_expr())))
+        timed("read.record_hash_expr()", lambda: noop(src.select(read.record_hash_expr())))
         timed("parse: schema_version only", lambda: noop(parsed.select("schema_version")))
         timed(
             "parse: typed columns only",

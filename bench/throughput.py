@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from backfill_assets.lake.write.replay import OffsetContract
+    from backfill_assets.lake.offsets.contract import OffsetContract
     from backfill_assets.spec.model import TopicSpec
     from backfill_assets.stack.settings import Settings
 
@@ -271,7 +271,7 @@ def bare_spark(
     spark: SparkSession, settings: Settings, contract: OffsetContract, out: Path
 ) -> tuple[float, int]:
     """Kafka -> Parquet over the contract's offsets, nothing else; seconds and rows written."""
-    from backfill_assets.lake.write.replay import read_contract
+    from backfill_assets.lake.write.read import read_contract
 
     shutil.rmtree(out, ignore_errors=True)
     began = time.monotonic()
@@ -303,7 +303,7 @@ def hand_written(
     from pyspark.sql import functions as F
     from pyspark.sql.avro.functions import from_avro
 
-    from backfill_assets.lake.write.replay import read_contract
+    from backfill_assets.lake.write.read import read_contract
     from backfill_assets.spec.model import SPARK_TYPES
 
     schema = ", ".join(f"`{c.name}` {SPARK_TYPES[c.type]}" for c in spec.columns)
@@ -344,7 +344,8 @@ def spark_parse(
     branch, checks, publish or Dagster. Separates the cost of the transform from that of
     write-audit-publish. ``contract`` must come from ``offset_contract`` (it has windows)."""
     from backfill_assets.lake.decode import avro
-    from backfill_assets.lake.write.replay import attribute, parse, read_contract
+    from backfill_assets.lake.decode.parse import parse
+    from backfill_assets.lake.write.read import attribute, read_contract
 
     shutil.rmtree(out, ignore_errors=True)
     began = time.monotonic()
@@ -715,7 +716,7 @@ def connect_server() -> Any:
 
 
 def throughput(args: argparse.Namespace, settings: Settings, topic: str, start: datetime) -> None:
-    from backfill_assets.lake.write.replay import offset_contract
+    from backfill_assets.lake.offsets.contract import offset_contract
     from backfill_assets.stack import spark as spark_mod
     from backfill_assets.stack.kafka import KafkaClient
 

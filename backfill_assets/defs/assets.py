@@ -16,7 +16,9 @@ from backfill_assets.defs.archiver import archive_asset_key
 from backfill_assets.defs.partitions import kafka_hours
 from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
 from backfill_assets.errors import KafkaClientError
+from backfill_assets.lake.decode.envelope import KAFKA_COLUMNS
 from backfill_assets.lake.offsets import identity, ledger
+from backfill_assets.lake.offsets.contract import window_contract
 from backfill_assets.lake.write import audit, checks, derived, publish, replay, wap
 from backfill_assets.spec import declared, versions
 from backfill_assets.spec.model import CURRENT_META_COLUMNS, ColumnSpec, TableSpec, TopicSpec
@@ -88,7 +90,7 @@ def table_name(table: str) -> str:
 def raw_columns(spec: TopicSpec) -> list[dg.TableColumn]:
     """The raw table's columns, in table order: Kafka positions, the topic's, the run id."""
     return [
-        *(_column(n, t) for n, t in replay.KAFKA_COLUMNS),
+        *(_column(n, t) for n, t in KAFKA_COLUMNS),
         *(_column(c.name, c.type, c) for c in spec.columns),
         _column("ingest_run_id", "string"),
     ]
@@ -316,7 +318,7 @@ def _replay_raw(
     context.log_event(topics.observation(kafka, spec))
     client, tables = kafka.client(), iceberg.client()
     # Kafka and the ledger first: the Spark session is still starting (SparkResource).
-    contract = replay.window_contract(
+    contract = window_contract(
         settings=client.settings,
         kafka=client,
         iceberg=tables,

@@ -17,7 +17,7 @@ from backfill_assets.stack import catalog, cds, jars
 from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.connect.client.retries import DefaultPolicy
 
 _log = logging.getLogger(__name__)
@@ -361,3 +361,12 @@ def port_open(host: str, port: int, timeout_s: float) -> bool:
             return True
     except OSError:
         return False
+
+
+def cache_on_disk(df: DataFrame) -> DataFrame:
+    """Persist ``df`` on local disk only. A replay's caches grow with its window; kept in memory
+    they grew the local driver JVM with it (bench/throughput.py: peak RSS 1.6x for a 10x window,
+    1.15x on disk, throughput unchanged)."""
+    from pyspark import StorageLevel
+
+    return df.persist(StorageLevel.DISK_ONLY)

@@ -21,20 +21,19 @@ The raw table's ``schema_version`` holds the registry's schema id of the record'
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.errors import BackfillError
+from backfill_assets.lake.decode.envelope import WIRE_HEADER, schema_id, wire_stage
 from backfill_assets.spec.model import SPARK_TYPES, TopicSpec
 
 if TYPE_CHECKING:
     from confluent_kafka.schema_registry import SchemaRegistryClient
     from pyspark.sql import Column, DataFrame
 
-HEADER = 5  # magic byte + schema id
 # A field only the reader schema has, defaulting to true: Spark's PERMISSIVE from_avro returns
 # a struct of NULLs (not a NULL struct) for bytes that do not decode, so this field being NULL
 # is what says the decode failed.
@@ -62,13 +61,6 @@ class Writer:
     writer: str | None = None
     reader: str | None = None
     reason: str | None = None
-
-
-def schema_id(value: bytes | None) -> int | None:
-    """The schema id of a value in Confluent's wire format, or None if it is not one."""
-    if value is None or len(value) < HEADER or value[0] != 0:
-        return None
-    return int(struct.unpack(">I", value[1:HEADER])[0])
 
 
 def client(url: str) -> SchemaRegistryClient:
@@ -197,35 +189,6 @@ def resolve(spec: TopicSpec, url: str, ids: Iterable[int]) -> dict[int, Writer]:
     return {sid: judge(spec, sid, writer_text(registry, sid), latest) for sid in sorted(set(ids))}
 
 
-def id_column() -> Column:
-    """The schema id of the Kafka ``value`` column (NULL unless in the wire format)."""
-    from pyspark.sql import functions as F
-
-    value = F.col("value")
-    wire = (F.length(value) >= HEADER) & (F.hex(F.substring(value, 1, 1)) == F.lit("00"))
-    return F.when(wire, F.conv(F.hex(F.substring(value, 2, 4)), 16, 10).cast("bigint"))
-
-
-def kafka_stage(raw: DataFrame) -> tuple[DataFrame, list[str]]:
-    """The Kafka columns of a wire-format topic's parse and ``_sid`` (:func:`id_column`); and
-    the names of the Kafka columns."""
-    from pyspark.sql import functions as F
-
-    df = raw.select(
-        F.col("topic"),
-        F.col("partition").alias("kafka_partition"),
-        F.col("offset").alias("kafka_offset"),
-        F.col("timestamp").alias("kafka_timestamp"),
-        F.col("kafka_hour"),
-        F.col("record_hash"),
-        F.col("key").alias("kafka_key"),
-        F.col("value").alias("kafka_value"),
-        F.col("value").isNull().alias("is_tombstone"),
-        id_column().alias("_sid"),
-    )
-    return df, [c for c in df.columns if c != "_sid"]
-
-
 def decode_stage(
     spec: TopicSpec, raw: DataFrame, writers: Mapping[int, Writer]
 ) -> tuple[DataFrame, list[str]]:
@@ -237,7 +200,7 @@ def decode_stage(
     types = [f"`{c.name}`: {SPARK_TYPES[c.type]}" for c in spec.columns]
     struct = "struct<" + ", ".join([*types, f"`{DECODED}`: boolean"]) + ">"
     sid = F.col("_sid")
-    payload = F.expr(f"substring(kafka_value, {HEADER + 1})")
+    payload = F.expr(f"substring(kafka_value, {WIRE_HEADER + 1})")
     decoded: Column | None = None
     for w in writers.values():
         if w.reader is None or w.writer is None:
@@ -249,7 +212,7 @@ def decode_stage(
             if decoded is None
             else decoded.when(sid == w.schema_id, one)
         )
-    df, kafka_cols = kafka_stage(raw)
+    df, kafka_cols = wire_stage(raw)
     df = df.select(
         *kafka_cols,
         "_sid",

@@ -3,7 +3,7 @@
 The librdkafka pass that fixes a run's windows (:func:`backfill_assets.lake.offsets.scan.scan`)
 hands
 every committed record of the window to a :class:`RecordDecoder`. It applies the replay's
-quarantine rules (:data:`backfill_assets.lake.write.replay.QUARANTINE_RULES`) and each schema
+quarantine rules (:data:`backfill_assets.lake.decode.parse.QUARANTINE_RULES`) and each schema
 version's Python reference decode (:mod:`backfill_assets.spec.transforms.reference`, named by
 the spec's ``decoders``), never Spark's parse, the JVM reader or the upcasters, and hashes the
 typed row it expects the table to hold exactly as Spark's
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 ROW, QUARANTINED, UNVERIFIED = "row", "quarantined", "unverified"
 Decoded = tuple[str, Any]
 
-# Timestamps a row may hold (replay.TIMESTAMP_RANGE, stated again: 1900-01-01 .. 2200-01-01
+# Timestamps a row may hold (parse.TIMESTAMP_RANGE, stated again: 1900-01-01 .. 2200-01-01
 # UTC), as epoch microseconds.
 TIMESTAMP_RANGE_US = (
     int((datetime.fromisoformat("1900-01-01T00:00:00+00:00")).timestamp()) * 1_000_000,

@@ -8,7 +8,7 @@ once per run (:func:`resolve`):
 * the registry has no such id: its records are quarantined ``unknown_schema_id:<id>``;
 * the id's schema is not a JSON Schema (an Avro or Protobuf one): ``incompatible_schema:<id>``;
 * otherwise the payload after the 5-byte header is read exactly as a ``json`` topic's value
-  (:func:`backfill_assets.lake.write.replay.parse`: the same strict reader, versions, upcasters and
+  (:func:`backfill_assets.lake.decode.parse.parse`: the same strict reader, versions, upcasters and
   column rules). The columns are the spec's; the payload is not validated against the JSON
   schema (the columns' rules are the contract).
 
@@ -24,12 +24,12 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from backfill_assets.lake.decode import avro
+from backfill_assets.lake.decode.envelope import WIRE_HEADER, schema_id
 
 if TYPE_CHECKING:
     from confluent_kafka.schema_registry import SchemaRegistryClient
     from pyspark.sql import Column
 
-HEADER = avro.HEADER
 NOT_WIRE = "not_json_schema_wire_format"
 
 
@@ -54,7 +54,7 @@ def resolve(url: str, ids: Iterable[int]) -> dict[int, avro.Writer]:
 
 def wire_rules(writers: Mapping[int, avro.Writer]) -> list[tuple[Column, Column]]:
     """The wire-format reasons of a value (conditions over the Kafka ``value``'s id column
-    ``_sid``, :func:`backfill_assets.lake.decode.avro.id_column`), first match wins."""
+    ``_sid``, :func:`backfill_assets.lake.decode.envelope.id_column`), first match wins."""
     from pyspark.sql import functions as F
 
     sid = F.col("_sid")
@@ -81,7 +81,7 @@ class WireCheck:
         self._reasons: dict[int, str | None] = {}
 
     def __call__(self, value: bytes) -> bytes | str:
-        sid = avro.schema_id(value)
+        sid = schema_id(value)
         if sid is None:
             return NOT_WIRE
         if sid not in self._reasons:
@@ -89,4 +89,4 @@ class WireCheck:
                 self._registry = avro.client(self.url)
             self._reasons[sid] = judge(sid, avro.lookup(self._registry, sid)).reason
         reason = self._reasons[sid]
-        return value[HEADER:] if reason is None else reason
+        return value[WIRE_HEADER:] if reason is None else reason

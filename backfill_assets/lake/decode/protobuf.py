@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.lake.decode import avro
+from backfill_assets.lake.decode.envelope import WIRE_HEADER, schema_id, wire_stage
 from backfill_assets.spec import proto
 from backfill_assets.spec.model import TopicSpec
 
@@ -47,7 +48,6 @@ if TYPE_CHECKING:
     from google.protobuf.descriptor_pb2 import FileDescriptorProto
     from pyspark.sql import Column, DataFrame, SparkSession
 
-HEADER = avro.HEADER
 NOT_WIRE = "not_protobuf_wire_format"
 PROTOBUF_ROW_CLASS = "backfill_assets.udf.ProtobufRow"
 # FieldDescriptorProto.Type numbers: 1 double, 2 float, 3 int64, 5 int32, 8 bool, 9 string,
@@ -165,7 +165,7 @@ def decode_stage(
     NULL for a decoded record) and the spec's columns; and the names of the Kafka columns."""
     from pyspark.sql import functions as F
 
-    df, kafka_cols = avro.kafka_stage(raw)
+    df, kafka_cols = wire_stage(raw)
     sid = F.col("_sid")
     decoded: Column | None = None
     readable = [w for w in writers.values() if w.descriptor is not None and w.message]
@@ -216,7 +216,7 @@ def decode_stage(
 def message_path(value: bytes) -> tuple[tuple[int, ...], int] | None:
     """The message-index path after the header of ``value`` and where the payload starts; None
     if the bytes end inside it."""
-    pos = HEADER
+    pos = WIRE_HEADER
 
     def varint() -> int | None:
         nonlocal pos
@@ -259,7 +259,7 @@ class IndependentDecode:
         self._by_id: dict[int, tuple[Writer, Any, Any] | str] = {}
 
     def __call__(self, value: bytes) -> dict[str, Any] | str:
-        sid = avro.schema_id(value)
+        sid = schema_id(value)
         if sid is None:
             return NOT_WIRE
         known = self._by_id.get(sid)

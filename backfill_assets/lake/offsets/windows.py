@@ -28,7 +28,7 @@ import json
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from itertools import pairwise
 from typing import Any
 
@@ -36,6 +36,7 @@ import xxhash
 
 from backfill_assets.errors import BackfillError
 from backfill_assets.lake.decode.content import partition_seed, position_hash
+from backfill_assets.lake.decode.envelope import WIRE_HEADER
 
 HOUR = timedelta(hours=1)
 
@@ -67,7 +68,7 @@ def record_hash(partition: int, offset: int, key: bytes | None, value: bytes | N
     """A 64-bit hash of one record as Kafka holds it; sums of it are order-independent.
 
     It is Spark's ``xxhash64(partition int, offset bigint, key, value, key IS NULL, value IS
-    NULL)`` (:func:`backfill_assets.lake.write.replay.record_hash_expr`): XXH64 chained from seed
+    NULL)`` (:func:`backfill_assets.lake.write.read.record_hash_expr`): XXH64 chained from seed
     42,
     each input hashed with the previous hash as seed (ints as 4 and longs as 8 little-endian
     bytes, booleans as the int 0/1, binary as its bytes, a NULL skipped), as a signed long.
@@ -88,7 +89,6 @@ def _record_hash(position: int, key: bytes | None, value: bytes | None) -> int:
 
 _BOOL = {False: _INT.pack(0), True: _INT.pack(1)}
 _TWO_63, _TWO_64 = 1 << 63, 1 << 64
-WIRE_HEADER = 5  # Confluent's wire format: magic byte 0, then the schema id
 
 
 @dataclass
@@ -237,6 +237,12 @@ def parse_bounds(text: str) -> dict[datetime, dict[int, tuple[int, int]]]:
             hour = first + (offset + i) * HOUR
             out.setdefault(hour, {})[int(p_text)] = (int(seq[i]), int(seq[i + 1]))
     return out
+
+
+def hour_key(epoch_ms: int) -> str:
+    """An hour collected from Spark as epoch millis (never as a datetime, which PySpark would
+    convert with the machine's local zone), as an ISO string in UTC."""
+    return datetime.fromtimestamp(epoch_ms / 1000, UTC).isoformat()
 
 
 def hours_between(start: datetime, end: datetime) -> list[datetime]:

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.lake.decode.content import miss_bound, sample_condition
-from backfill_assets.lake.write.replay import ReplayOutcome, hour_key, window_filter
+from backfill_assets.lake.offsets.contract import window_filter
+from backfill_assets.lake.offsets.windows import hour_key
+from backfill_assets.lake.write.replay import ReplayOutcome
 from backfill_assets.lake.write.schema_contract import (
     contract_failures,
     contract_schema,
@@ -148,7 +150,7 @@ def table_figures(
     ids. Rows and quarantine are grouped by (partition, offset), then by (hour, reason, event
     hour), counting the offsets seen more than once on the way (copies of an offset in
     different hours count under the earliest: uniqueness fails then, and so does the count of
-    some hour). Hours are epoch millis (see :func:`replay.hour_key`).
+    some hour). Hours are epoch millis (see :func:`backfill_assets.lake.offsets.windows.hour_key`).
 
     ``at_most`` bounds the rows when the caller knows one: up to :data:`FIGURES_DRIVER_ROWS`
     rows are read once into this process and aggregated here; more (also when the bound was
@@ -636,7 +638,7 @@ def _decoded_content(table_side: dict[str, Any], outcome: ReplayOutcome) -> Chec
         return CheckOutcome(
             "decoded_content",
             False,
-            "no independent decode was made for this window (replay.window_contract makes it)",
+            "no independent decode was made for this window (contract.window_contract makes it)",
             {},
         )
     kafka = windows.hour_figures()
