@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
@@ -23,6 +23,8 @@ from backfill_assets.stack.settings import KafkaSettings, Settings
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
+# What a ListOffsets request asks for (KafkaClient.list_offsets).
+OffsetQuery = Literal["earliest", "latest", "max_timestamp"]
 
 # Errors a broker failing over gives for a while (the dead leader's requests time out; the
 # others answer "not the leader" until the metadata moves): a look-up retries them.
@@ -113,55 +115,74 @@ class KafkaClient:
         return through_failover(f"ListOffsets of topic {topic!r}", lambda: self._log_ends(topic))
 
     def _log_ends(self, topic: str) -> dict[int, tuple[int, int, int]]:
-        from confluent_kafka import IsolationLevel
-        from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
-
         parts = self.partitions(topic)
-        admin = self.admin()
-        out: dict[int, list[int]] = {p: [0, 0, 0] for p in parts}
-        earliest, latest = OffsetSpec.earliest(), OffsetSpec.latest()  # type: ignore[no-untyped-call]
         # The high watermark is asked first, so an LSO below it means a transaction really
         # held it back (records arriving in between can only raise the LSO).
-        for slot, spec, level in (
-            (2, latest, IsolationLevel.READ_UNCOMMITTED),
-            (1, latest, IsolationLevel.READ_COMMITTED),
-            (0, earliest, IsolationLevel.READ_COMMITTED),
-        ):
-            futures = admin.list_offsets(
-                {TopicPartition(topic, p): spec for p in parts},
-                isolation_level=level,
-                request_timeout=self.request_timeout_s,
-            )
-            for tp, future in futures.items():
-                out[tp.partition][slot] = int(future.result().offset)
-        return {p: (v[0], v[1], v[2]) for p, v in out.items()}
+        high = self._list_offsets(topic, parts, "latest", committed=False)
+        stable = self._list_offsets(topic, parts, "latest", committed=True)
+        start = self._list_offsets(topic, parts, "earliest", committed=True)
+        return {p: (start[p][0], stable[p][0], high[p][0]) for p in parts}
 
-    def newest_records(self, topic: str, parts: list[int]) -> dict[int, tuple[int, int]]:
-        """Per partition of ``parts``, (offset, timestamp ms) of its committed record with the
-        largest timestamp (ListOffsets MAX_TIMESTAMP; (-1, -1) for an empty partition).
-        Retried while a broker fails over."""
+    def list_offsets(
+        self, topic: str, parts: list[int], spec: OffsetQuery, *, committed: bool = True
+    ) -> dict[int, tuple[int, int]]:
+        """ListOffsets for ``parts`` of ``topic``: per partition (offset, timestamp ms).
+
+        ``spec``: ``"earliest"`` (the log start offset), ``"latest"`` (the last stable offset
+        when ``committed``, else the high watermark) or ``"max_timestamp"`` (the record with
+        the largest timestamp; (-1, -1) for an empty partition; ``committed=False`` counts
+        transaction markers too). ``committed`` is the request's isolation level
+        (read_committed or read_uncommitted). Retried while a broker fails over
+        (:func:`through_failover`); the only place this package asks Kafka for offsets."""
         return through_failover(
-            f"ListOffsets (max timestamp) of topic {topic!r}",
-            lambda: self._newest_records(topic, parts),
+            f"ListOffsets ({spec}) of topic {topic!r}",
+            lambda: self._list_offsets(topic, parts, spec, committed=committed),
         )
 
-    def _newest_records(self, topic: str, parts: list[int]) -> dict[int, tuple[int, int]]:
+    def _list_offsets(
+        self, topic: str, parts: list[int], spec: OffsetQuery, *, committed: bool
+    ) -> dict[int, tuple[int, int]]:
         from confluent_kafka import IsolationLevel
+
+        # Re-exported by confluent_kafka.admin without an explicit export, untyped (2.16).
         from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
 
         if not parts:
             return {}
+        query = getattr(OffsetSpec, spec)()
+        level = IsolationLevel.READ_COMMITTED if committed else IsolationLevel.READ_UNCOMMITTED
         admin = self.admin()  # kept until the futures are done: a dropped client cancels them
         futures = admin.list_offsets(
-            {TopicPartition(topic, p): OffsetSpec.max_timestamp() for p in parts},  # type: ignore[no-untyped-call]
-            isolation_level=IsolationLevel.READ_COMMITTED,
+            {TopicPartition(topic, p): query for p in parts},
+            isolation_level=level,
             request_timeout=self.request_timeout_s,
         )
         out = {}
         for tp, future in futures.items():
-            info = future.result()
+            info = future.result()  # bounded by the request's own timeout
             out[tp.partition] = (int(info.offset), int(info.timestamp))
         return out
+
+    def newest_records(
+        self, topic: str, parts: list[int], *, committed: bool = True
+    ) -> dict[int, tuple[int, int]]:
+        """Per partition of ``parts``, (offset, timestamp ms) of its record with the largest
+        timestamp (ListOffsets MAX_TIMESTAMP; (-1, -1) for an empty partition); committed
+        records only unless ``committed`` is False (then a transaction marker, stamped with the
+        broker's clock, can answer). Retried while a broker fails over."""
+        return self.list_offsets(topic, parts, "max_timestamp", committed=committed)
+
+    def retention_ms(self, topic: str) -> int | None:
+        """The topic's ``retention.ms`` (negative: unlimited), None if the broker does not say."""
+        from confluent_kafka.admin import ConfigResource, ResourceType  # type: ignore[attr-defined]
+
+        admin = self.admin()
+        resource = ConfigResource(ResourceType.TOPIC, topic)
+        configs = admin.describe_configs([resource])[resource].result(
+            timeout=self.request_timeout_s
+        )
+        entry = configs.get("retention.ms")
+        return int(entry.value) if entry is not None and entry.value is not None else None
 
     def partitions(self, topic: str) -> list[int]:
         """The topic's partitions. Every offset look-up starts here, so this is where a broker

@@ -432,17 +432,7 @@ class _HourReader:
 def _max_timestamp_hour(kafka: KafkaClient, topic: str, parts: list[int]) -> datetime | None:
     """The hour of the greatest timestamp Kafka holds in ``parts`` (ListOffsets max-timestamp;
     on a transactional topic possibly a marker's, stamped with the broker's clock)."""
-    from confluent_kafka import IsolationLevel, TopicPartition
-    from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
-
-    admin = kafka.admin()  # kept alive until the answers arrive
-    futures = admin.list_offsets(
-        {TopicPartition(topic, p): OffsetSpec.max_timestamp() for p in parts},  # type: ignore[no-untyped-call]
-        isolation_level=IsolationLevel.READ_COMMITTED,
-        request_timeout=kafka.request_timeout_s,
-    )
-    stamps = [int(f.result(kafka.request_timeout_s).timestamp) for f in futures.values()]
-    stamps = [ms for ms in stamps if ms >= 0]
+    stamps = [ms for _, ms in kafka.newest_records(topic, parts).values() if ms >= 0]
     return _hour(datetime.fromtimestamp(max(stamps) / 1000, UTC)) if stamps else None
 
 
@@ -786,13 +776,7 @@ def _retention_risks(
 
 def retention_ms(kafka: KafkaClient, topic: str) -> int | None:
     """The topic's ``retention.ms`` (negative: unlimited), None if the broker does not say."""
-    from confluent_kafka.admin import ConfigResource, ResourceType  # type: ignore[attr-defined]
-
-    admin = kafka.admin()
-    resource = ConfigResource(ResourceType.TOPIC, topic)
-    configs = admin.describe_configs([resource])[resource].result(timeout=kafka.request_timeout_s)
-    entry = configs.get("retention.ms")
-    return int(entry.value) if entry is not None and entry.value is not None else None
+    return kafka.retention_ms(topic)
 
 
 def _hour(value: datetime) -> datetime:

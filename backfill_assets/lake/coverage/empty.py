@@ -203,21 +203,11 @@ def _oldest_record_hour(kafka: KafkaClient, topic: str, parts: list[int]) -> dat
 def _newest_timestamp_hour(kafka: KafkaClient, topic: str, parts: list[int]) -> datetime | None:
     """The hour of the largest timestamp Kafka holds over ``parts`` (ListOffsets max-timestamp;
     transaction markers count, which can only make it later), or None if it does not say."""
-    from confluent_kafka import IsolationLevel, TopicPartition
-    from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
-
-    admin = kafka.admin()  # kept referenced until the answers are in: it runs the requests
-    futures = admin.list_offsets(
-        {TopicPartition(topic, p): OffsetSpec.max_timestamp() for p in parts},  # type: ignore[no-untyped-call]
-        isolation_level=IsolationLevel.READ_UNCOMMITTED,
-        request_timeout=kafka.request_timeout_s,
-    )
     stamps = []
-    for future in futures.values():
-        info = future.result(timeout=kafka.request_timeout_s)
-        if info.offset < 0 or info.timestamp < 0:
+    for offset, ms in kafka.newest_records(topic, parts, committed=False).values():
+        if offset < 0 or ms < 0:
             return None
-        stamps.append(int(info.timestamp))
+        stamps.append(ms)
     return _hour(datetime.fromtimestamp(max(stamps) / 1000, UTC)) if stamps else None
 
 

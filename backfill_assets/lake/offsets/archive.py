@@ -56,7 +56,6 @@ from backfill_assets.stack import catalog
 
 if TYPE_CHECKING:
     from confluent_kafka import Message
-    from confluent_kafka.admin import AdminClient
 
     from backfill_assets.stack.kafka import KafkaClient
     from backfill_assets.stack.settings import Settings
@@ -326,14 +325,11 @@ class Archive:
 
     def _log_start(self, topic: str, partition: int) -> int | None:
         """Kafka's log start offset of a partition, or None if Kafka cannot say."""
-        from confluent_kafka.admin import AdminClient
+        from backfill_assets.stack.kafka import KafkaClient
 
         try:
-            admin = AdminClient(self.settings.kafka.client_config())
-            found = _list_offsets(
-                admin, topic, [partition], latest=False, committed=True, timeout_s=_LOOKUP_TIMEOUT_S
-            )
-            return found[partition]
+            kafka = KafkaClient(self.settings, request_timeout_s=_LOOKUP_TIMEOUT_S)
+            return kafka.list_offsets(topic, [partition], "earliest")[partition][0]
         except Exception:  # the refusal stands either way; only its advice is less precise
             return None
 
@@ -523,31 +519,6 @@ def log_bounds(kafka: KafkaClient, topic: str) -> dict[int, tuple[int, int, int]
     """Per partition: (log start offset, last stable offset, high watermark), from ListOffsets
     (see :meth:`backfill_assets.stack.kafka.KafkaClient.log_ends`)."""
     return kafka.log_ends(topic)
-
-
-def _list_offsets(
-    admin: AdminClient,
-    topic: str,
-    partitions: list[int],
-    *,
-    latest: bool,
-    committed: bool,
-    timeout_s: float,
-) -> dict[int, int]:
-    """ListOffsets: per partition the earliest or the latest offset. The latest offset is the
-    last stable offset when ``committed`` (isolation level read_committed), else the high
-    watermark (the request's default isolation level: every offset written)."""
-    from confluent_kafka import IsolationLevel, TopicPartition
-
-    # Re-exported by confluent_kafka.admin without an explicit export, untyped (2.16).
-    from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]
-
-    spec = OffsetSpec.latest() if latest else OffsetSpec.earliest()  # type: ignore[no-untyped-call]
-    options: dict[str, Any] = {"request_timeout": timeout_s}
-    if committed:
-        options["isolation_level"] = IsolationLevel.READ_COMMITTED
-    futures = admin.list_offsets({TopicPartition(topic, p): spec for p in partitions}, **options)
-    return {tp.partition: int(future.result(timeout_s).offset) for tp, future in futures.items()}
 
 
 def _is_committed(meta: dict[str, Any]) -> bool:
