@@ -7,6 +7,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
+import pytest
 
 from backfill_assets.stack.settings import Settings
 
@@ -53,3 +54,59 @@ def test_local_catalog_is_sqlite_in_wal_mode(
     assert path is not None and path.is_file()
     with sqlite3.connect(path) as con:
         assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_a_commit_that_lost_a_race_is_retried_on_fresh_metadata(
+    iceberg_catalog: Catalog, stack_settings: Settings
+) -> None:
+    """Two writers hold the same metadata and both evolve the schema; the second one's commit
+    loses the race (the catalog refuses it), and retry_commit reloads and commits once more:
+    both columns land."""
+    from pyiceberg.types import LongType
+
+    from backfill_assets.stack.catalog import retry_commit
+
+    ns = stack_settings.catalog.namespace
+    ident = f"{ns}.retry_{uuid.uuid4().hex[:8]}"
+    iceberg_catalog.create_namespace_if_not_exists(ns)
+    first = iceberg_catalog.create_table(ident, schema=pa.schema([("n", pa.int64())]))
+    stale = iceberg_catalog.load_table(ident)
+    with first.update_schema() as update:
+        update.add_column("a", LongType())
+    attempts: list[int] = []
+
+    def commit(attempt: int) -> None:
+        attempts.append(attempt)
+        table = stale if attempt == 0 else iceberg_catalog.load_table(ident)
+        with table.update_schema() as update:
+            update.add_column("b", LongType())
+
+    retry_commit(commit, attempts=3, backoff_s=0.0)
+    assert attempts == [0, 1]
+    names = [f.name for f in iceberg_catalog.load_table(ident).schema().fields]
+    assert names == ["n", "a", "b"]
+
+
+def test_retry_commit_raises_what_is_not_a_lost_race_and_the_last_attempt() -> None:
+    from pyiceberg.exceptions import CommitFailedException
+
+    from backfill_assets.stack.catalog import retry_commit
+
+    calls: list[int] = []
+
+    def broken(attempt: int) -> None:
+        calls.append(attempt)
+        raise ValueError("not a conflict")
+
+    with pytest.raises(ValueError, match="not a conflict"):
+        retry_commit(broken, attempts=3, backoff_s=0.0)
+    assert calls == [0]
+
+    def always_loses(attempt: int) -> None:
+        calls.append(attempt)
+        raise CommitFailedException("another writer")
+
+    calls.clear()
+    with pytest.raises(CommitFailedException):
+        retry_commit(always_loses, attempts=3, backoff_s=0.0)
+    assert calls == [0, 1, 2]

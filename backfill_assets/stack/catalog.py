@@ -11,17 +11,51 @@ catalog on object storage from :class:`~backfill_assets.stack.settings.CatalogSe
 from __future__ import annotations
 
 import sqlite3
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote, urlparse
 
 from pyiceberg.catalog import Catalog, load_catalog
+from pyiceberg.exceptions import CommitFailedException
 
 from backfill_assets.errors import SettingsError, StackError
 from backfill_assets.stack.settings import CatalogSettings, Settings
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
+
+T = TypeVar("T")
+
+
+def lost_race(exc: Exception) -> bool:
+    """Whether a commit failed only because another writer committed to the table first."""
+    return isinstance(exc, CommitFailedException)
+
+
+def retry_commit(
+    commit: Callable[[int], T],
+    *,
+    attempts: int,
+    backoff_s: float,
+    conflict: Callable[[Exception], bool] = lost_race,
+) -> T:
+    """``commit(attempt)`` for attempt 0, 1, ...: the one optimistic-concurrency retry of the
+    package. Each call must be one atomic catalog commit on freshly loaded metadata (reload it
+    when ``attempt`` > 0), so a retried commit never applies twice. An exception ``conflict``
+    says is a lost race is retried after ``backoff_s * attempt`` seconds; any other, and the
+    last attempt's, is raised as it is."""
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(backoff_s * attempt)
+        try:
+            return commit(attempt)
+        except Exception as exc:
+            if attempt == attempts - 1 or not conflict(exc):
+                raise
+    raise AssertionError("unreachable")
+
 
 # The DDL Iceberg's Java JdbcCatalog uses with jdbc.schema-version=V1 (views supported).
 # Created up front so whichever engine touches the catalog first, both find the same schema.

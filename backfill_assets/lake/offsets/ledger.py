@@ -30,7 +30,6 @@ ledger append); every publish calls it, and so does maintenance before expiring 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -38,9 +37,10 @@ from typing import Any
 
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
-from pyiceberg.exceptions import CommitFailedException, NoSuchTableError
+from pyiceberg.exceptions import NoSuchTableError
 from pyiceberg.table import Table
 
+from backfill_assets.stack.catalog import retry_commit
 from backfill_assets.stack.kafka import TopicIdentity
 
 LEDGER_TABLE = "backfill_ledger"
@@ -143,18 +143,14 @@ def _append(
     catalog.create_namespace_if_not_exists(namespace)
     table = catalog.create_table_if_not_exists(_ident(namespace), schema=SCHEMA)
     data = pa.Table.from_pylist(rows, schema=SCHEMA)
-    for attempt in range(attempts):
-        try:
-            # Inside the retry: another writer may have evolved the schema first (our update
-            # then fails its commit and the reloaded table already has the columns).
-            table = _evolved(table)
-            table.append(data)
-            return
-        except CommitFailedException:
-            if attempt == attempts - 1:
-                raise
-            time.sleep(0.2 * (attempt + 1))
-            table = catalog.load_table(_ident(namespace))
+
+    def commit(attempt: int) -> None:
+        fresh = table if attempt == 0 else catalog.load_table(_ident(namespace))
+        # Inside the retry: another writer may have evolved the schema first (our update then
+        # fails its commit and the reloaded table already has the columns).
+        _evolved(fresh).append(data)
+
+    retry_commit(commit, attempts=attempts, backoff_s=0.2)
 
 
 def generation(catalog: Catalog, namespace: str) -> str:

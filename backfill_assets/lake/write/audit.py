@@ -9,7 +9,6 @@ secret is ever written here: only table names, run ids, offsets, snapshot ids an
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -17,9 +16,9 @@ from typing import Any
 
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
-from pyiceberg.exceptions import CommitFailedException
 
 from backfill_assets.errors import BackfillError
+from backfill_assets.stack.catalog import retry_commit
 
 AUDIT_TABLE = "backfill_audit"
 EVENTS = (
@@ -102,15 +101,11 @@ def append(catalog: Catalog, namespace: str, record: AuditRecord, attempts: int 
     catalog.create_namespace_if_not_exists(namespace)
     table = catalog.create_table_if_not_exists(ident, schema=SCHEMA)
     row = pa.Table.from_pylist([asdict(record)], schema=SCHEMA)
-    for attempt in range(attempts):
-        try:
-            table.append(row)
-            return
-        except CommitFailedException:
-            if attempt == attempts - 1:
-                raise
-            time.sleep(0.2 * (attempt + 1))
-            table = catalog.load_table(ident)
+    retry_commit(
+        lambda attempt: (table if attempt == 0 else catalog.load_table(ident)).append(row),
+        attempts=attempts,
+        backoff_s=0.2,
+    )
 
 
 def query(

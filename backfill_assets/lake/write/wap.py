@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -27,6 +26,7 @@ from pyiceberg.table.snapshots import ancestors_of
 
 from backfill_assets.errors import BackfillError
 from backfill_assets.stack import catalog as catalog_mod
+from backfill_assets.stack.catalog import lost_race, retry_commit
 from backfill_assets.stack.faults import failpoint
 from backfill_assets.stack.settings import CatalogSettings, Settings
 
@@ -144,15 +144,18 @@ def ref_sql(spark: SparkSession, table: str, statement: str, attempts: int = 5) 
     older than the catalog's ("Table metadata refresh is required": another run committed to
     the table, e.g. to its own branch, since this session loaded it) and does not retry that
     itself; this refreshes the table and retries."""
-    for attempt in range(attempts):
-        try:
-            spark.sql(statement).collect()
-            return
-        except Exception as exc:
-            if "refresh is required" not in str(exc) or attempt + 1 >= attempts:
-                raise
+
+    def commit(attempt: int) -> None:
+        if attempt:
             spark.sql(f"REFRESH TABLE {table}")
-            time.sleep(0.1 * (attempt + 1))
+        spark.sql(statement).collect()
+
+    retry_commit(
+        commit,
+        attempts=attempts,
+        backoff_s=0.1,
+        conflict=lambda exc: "refresh is required" in str(exc),
+    )
 
 
 def _moved(
@@ -276,24 +279,25 @@ def _empty_commit(
     writes through). A commit refused because another writer committed to the table first
     (its own branch, say) is retried on the fresh metadata; with ``only_if_absent`` nothing is
     committed once ``ref`` exists (another run made the init commit)."""
-    from pyiceberg.exceptions import CommitFailedException
 
-    for attempt in range(10):
+    def commit(_attempt: int) -> None:
         tbl = _iceberg_table(table)
         if only_if_absent and ref in tbl.metadata.refs:
             return
         empty = tbl.schema().as_arrow().empty_table()
-        try:
-            tbl.append(empty, snapshot_properties=properties, branch=ref)
-            return
-        except (CommitFailedException, ValueError) as exc:
-            # pyiceberg's SQL catalog applies the snapshot to the catalog's current metadata:
-            # another run's commit (to its own branch) since the load surfaces as a sequence
-            # number older than the table's last one, refused before anything was written.
-            conflict = isinstance(exc, CommitFailedException) or "sequence number" in str(exc)
-            if not conflict or attempt == 9:
-                raise
-            time.sleep(0.05 * (attempt + 1))
+        tbl.append(empty, snapshot_properties=properties, branch=ref)
+
+    # pyiceberg's SQL catalog applies the snapshot to the catalog's current metadata: another
+    # run's commit (to its own branch) since the load surfaces as a sequence number older than
+    # the table's last one, refused before anything was written.
+    retry_commit(
+        commit,
+        attempts=10,
+        backoff_s=0.05,
+        conflict=lambda exc: (
+            lost_race(exc) or (isinstance(exc, ValueError) and "sequence number" in str(exc))
+        ),
+    )
 
 
 def _iceberg_table(table: str) -> Table:
