@@ -16,9 +16,7 @@ import base64
 import os
 import re
 import secrets
-import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -29,7 +27,7 @@ from pathlib import Path
 from confluent_kafka.admin import AdminClient
 
 from backfill_assets.errors import BrokerError, JarResolutionError
-from backfill_assets.stack import jars
+from backfill_assets.stack import jars, process
 from backfill_assets.stack.settings import Settings, jaas_quote
 
 _LOG4J_CONFIG = Path(__file__).resolve().parent / "broker-log4j2.properties"
@@ -123,10 +121,12 @@ class LocalBroker:
         JVM without waiting for it; None if our node already runs."""
         if self._running_pid() is not None:
             return None
-        java = _java()
+        java = process.java(BrokerError, "the local Kafka broker")
         classpath = self._classpath()
         for port in (self.node.port, self.node.controller_port):
-            _require_free_port(port)
+            process.require_free_port(
+                port, BrokerError, "BACKFILL_KAFKA_PORT / BACKFILL_KAFKA_CONTROLLER_PORT"
+            )
         self._write_config()
         self._format(java, classpath, cluster_id or new_cluster_id())
         env = {**os.environ, "KAFKA_HEAP_OPTS": ""}
@@ -158,7 +158,7 @@ class LocalBroker:
         if pid is None:
             self.pid_path.unlink(missing_ok=True)
             return False
-        _terminate([pid], timeout_s)
+        process.terminate([pid], timeout_s)
         self.pid_path.unlink(missing_ok=True)
         return True
 
@@ -167,7 +167,7 @@ class LocalBroker:
         pid = self._running_pid()
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
-            while _alive(pid):
+            while process.alive(pid):
                 time.sleep(0.05)
         self.pid_path.unlink(missing_ok=True)
         return pid
@@ -225,10 +225,12 @@ class LocalBroker:
         fd, command_config = tempfile.mkstemp(dir=self.dir, suffix=".properties")  # mode 0600
         try:
             with os.fdopen(fd, "w") as out:
-                out.write("".join(f"{k}={_properties_escape(v)}\n" for k, v in client.items()))
+                out.write(
+                    "".join(f"{k}={process.properties_escape(v)}\n" for k, v in client.items())
+                )
             proc = subprocess.run(
                 [
-                    _java(),
+                    process.java(BrokerError, "the local Kafka broker"),
                     f"-Dlog4j2.configurationFile={_LOG4J_CONFIG}",
                     "-Dlog4j2.level=ERROR",
                     "-cp",
@@ -304,7 +306,7 @@ class LocalBroker:
         if self.clustered:
             lines.update(_replication(len(self.voters)))
         lines.update(self._sasl_config())
-        text = "".join(f"{k}={_properties_escape(v)}\n" for k, v in lines.items())
+        text = "".join(f"{k}={process.properties_escape(v)}\n" for k, v in lines.items())
         self.config_path.touch(mode=0o600)
         self.config_path.chmod(0o600)  # it may hold the SASL user's password
         self.config_path.write_text(text)
@@ -464,26 +466,12 @@ class LocalBroker:
 
     def _running_pid(self) -> int | None:
         """The PID from our PID file if that process is alive and is our broker."""
-        try:
-            pid = int(self.pid_path.read_text().strip())
-        except (FileNotFoundError, ValueError):
-            return None
-        if not _alive(pid):
-            return None
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            return None
-        if _MAIN_CLASS.encode() in cmdline and str(self.config_path).encode() in cmdline:
-            return pid
-        return None
+        return process.recorded_pid(
+            self.pid_path, _MAIN_CLASS.encode(), str(self.config_path).encode()
+        )
 
     def _log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            return "(no log written)"
-        return "\n".join(text[-lines:])
+        return process.log_tail(self.log_path, lines)
 
 
 _UNSUPPORTED = (
@@ -506,21 +494,6 @@ def _replication(nodes: int) -> dict[str, str]:
         "share.coordinator.state.topic.replication.factor": factor,
         "share.coordinator.state.topic.min.isr": min_isr,
     }
-
-
-def _terminate(pids: list[int], timeout_s: float) -> None:
-    """SIGTERM ``pids``, wait up to ``timeout_s`` for them all, then SIGKILL the rest (a node
-    whose peers are gone can wait forever in controlled shutdown)."""
-    for pid in pids:
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.2)
-    for pid in pids:
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
-            while _alive(pid):
-                time.sleep(0.1)
 
 
 class LocalKafkaCluster:
@@ -559,15 +532,10 @@ class LocalKafkaCluster:
     def stop(self, timeout_s: float = 20.0) -> int:
         """Stop every node of ours (SIGTERM together, SIGKILL after ``timeout_s``); how many."""
         pids = [p for p in (b._running_pid() for b in self.nodes) if p is not None]
-        _terminate(pids, timeout_s)
+        process.terminate(pids, timeout_s)
         for broker in self.nodes:
             broker.pid_path.unlink(missing_ok=True)
         return len(pids)
-
-
-def _properties_escape(value: str) -> str:
-    """A value as Java's Properties.load reads it back (backslash is its escape character)."""
-    return value.replace("\\", "\\\\").replace("\n", "\\n")
 
 
 def new_cluster_id() -> str:
@@ -580,42 +548,3 @@ def new_cluster_id() -> str:
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
         if not cluster_id.startswith("-"):
             return cluster_id
-
-
-def _java() -> str:
-    java = shutil.which("java")
-    if java is None:
-        raise BrokerError(
-            "Java is not on PATH; the local Kafka broker needs a JDK 17+ "
-            "(apt-get install openjdk-17-jdk-headless)"
-        )
-    return java
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not yet reaped) counts as dead.
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
-
-
-def _require_free_port(port: int) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # As Kafka binds (SO_REUSEADDR): connections of a just-stopped broker lingering in
-        # TIME_WAIT do not block a restart on the same port; a listening process still does.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            raise BrokerError(
-                f"port 127.0.0.1:{port} is already in use; stop whatever holds it or choose "
-                "other ports with BACKFILL_KAFKA_PORT / BACKFILL_KAFKA_CONTROLLER_PORT"
-            ) from None

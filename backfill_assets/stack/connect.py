@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backfill_assets.errors import StackError
-from backfill_assets.stack import spark
+from backfill_assets.stack import process, spark
 from backfill_assets.stack.settings import Settings
 
 MAIN_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
@@ -130,7 +127,7 @@ class LocalConnectServer:
     def argv(self) -> list[str]:
         heap = self.settings.spark_driver_memory
         return [
-            _java(),
+            process.java(ConnectError, "the local Spark Connect server"),
             f"-Xmx{heap}",
             f"-Xms{heap}",
             spark.JIT_OPTIONS,
@@ -164,7 +161,7 @@ class LocalConnectServer:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         text = "".join(
-            f"{k}={_properties_escape(v)}\n" for k, v in sorted(self.properties().items())
+            f"{k}={process.properties_escape(v)}\n" for k, v in sorted(self.properties().items())
         )
         # Holds the catalog's secrets: created 0600, never readable by others in between.
         self.conf_path.unlink(missing_ok=True)
@@ -178,7 +175,7 @@ class LocalConnectServer:
         if self._running_pid() is not None:
             self.wait_ready(timeout_s)
             return self.status()
-        _require_free_port(self.port)
+        process.require_free_port(self.port, ConnectError, "BACKFILL_SPARK_CONNECT_PORT")
         self._write_properties()
         with self.out_path.open("ab") as out:
             proc = subprocess.Popen(
@@ -204,14 +201,7 @@ class LocalConnectServer:
         if pid is None:
             self.pid_path.unlink(missing_ok=True)
             return False
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and _alive(pid):
-            time.sleep(0.2)
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
-            while _alive(pid):
-                time.sleep(0.1)
+        process.terminate([pid], timeout_s)
         self.pid_path.unlink(missing_ok=True)
         return True
 
@@ -258,19 +248,9 @@ class LocalConnectServer:
 
     def _running_pid(self) -> int | None:
         """The PID from our PID file if that process is alive and is our server."""
-        try:
-            pid = int(self.pid_path.read_text().strip())
-        except (FileNotFoundError, ValueError):
-            return None
-        if not _alive(pid):
-            return None
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            return None
-        if MAIN_CLASS.encode() in cmdline and str(self.conf_path).encode() in cmdline:
-            return pid
-        return None
+        return process.recorded_pid(
+            self.pid_path, MAIN_CLASS.encode(), str(self.conf_path).encode()
+        )
 
 
 def spark_home() -> Path:
@@ -279,44 +259,3 @@ def spark_home() -> Path:
     if found is None or found.origin is None:
         raise ConnectError("pyspark is not installed in this environment")
     return Path(found.origin).parent
-
-
-def _properties_escape(value: str) -> str:
-    """A value as Java's Properties.load reads it back (backslash is its escape character)."""
-    return value.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _java() -> str:
-    java = shutil.which("java")
-    if java is None:
-        raise ConnectError(
-            "Java is not on PATH; the local Spark Connect server needs a JDK 17+ "
-            "(apt-get install openjdk-17-jdk-headless)"
-        )
-    return java
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
-
-
-def _require_free_port(port: int) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            raise ConnectError(
-                f"port 127.0.0.1:{port} is already in use; stop whatever holds it or choose "
-                "another port with BACKFILL_SPARK_CONNECT_PORT"
-            ) from None

@@ -14,19 +14,14 @@ PID this module started (checked against the process command line).
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
 
 from backfill_assets.errors import StackError
-from backfill_assets.stack import jars
+from backfill_assets.stack import jars, process
 from backfill_assets.stack.settings import Settings, local_registry_url
 
 
@@ -91,10 +86,8 @@ class LocalRegistry:
         if self.running_pid() is not None:
             return None
         jars.build_registry(self.settings)
-        java = shutil.which("java")
-        if java is None:
-            raise RegistryError("java is not on PATH: the schema registry needs a JDK 17")
-        _require_free_port(self.port)
+        java = process.java(RegistryError, "the schema registry")
+        process.require_free_port(self.port, RegistryError, "BACKFILL_SCHEMA_REGISTRY_PORT")
         self.dir.mkdir(parents=True, exist_ok=True)
         cmd = [
             java,
@@ -148,14 +141,7 @@ class LocalRegistry:
         if pid is None:
             self.pid_path.unlink(missing_ok=True)
             return False
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and _alive(pid):
-            time.sleep(0.1)
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
-            while _alive(pid):
-                time.sleep(0.05)
+        process.terminate([pid], timeout_s)
         self.pid_path.unlink(missing_ok=True)
         return True
 
@@ -167,26 +153,12 @@ class LocalRegistry:
 
     def running_pid(self) -> int | None:
         """The PID from our PID file if that process is alive and is our registry."""
-        try:
-            pid = int(self.pid_path.read_text().strip())
-        except (FileNotFoundError, ValueError):
-            return None
-        if not _alive(pid):
-            return None
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            return None
         jar = str(jars.registry_jar_path(self.settings)).encode()
         port = f"-Dquarkus.http.port={self.port}".encode()
-        return pid if jar in cmdline and port in cmdline else None
+        return process.recorded_pid(self.pid_path, jar, port)
 
     def _log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(text[-lines:])
+        return process.log_tail(self.log_path, lines)
 
 
 def external_status(settings: Settings) -> RegistryStatus:
@@ -199,29 +171,3 @@ def external_status(settings: Settings) -> RegistryStatus:
     except (OSError, urllib.error.URLError):
         ready = False
     return RegistryStatus(pid=None, running=ready, ready=ready, url=url, external=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
-
-
-def _require_free_port(port: int) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError as err:
-            raise RegistryError(
-                f"port 127.0.0.1:{port} is in use: set BACKFILL_SCHEMA_REGISTRY_PORT to a free "
-                "port, or stop what listens there"
-            ) from err

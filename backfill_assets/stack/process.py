@@ -1,0 +1,102 @@
+"""The processes ``stack`` starts (the broker, the schema registry, the Spark Connect server):
+finding Java, a free port, whether a PID is one of ours and alive, stopping it, its log's tail.
+
+Every helper acts only on processes this package started and recorded in its own PID files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import time
+from pathlib import Path
+
+from backfill_assets.errors import StackError
+
+
+def java(error: type[StackError], server: str) -> str:
+    """The ``java`` on PATH, or ``error`` naming the ``server`` that needs it."""
+    found = shutil.which("java")
+    if found is None:
+        raise error(
+            f"Java is not on PATH; {server} needs a JDK 17+ "
+            "(apt-get install openjdk-17-jdk-headless)"
+        )
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie (exited, not yet reaped) counts as dead."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def recorded_pid(pid_path: Path, *markers: bytes) -> int | None:
+    """The PID in ``pid_path`` if that process is alive and its command line holds every one
+    of ``markers`` (so a recycled PID is never taken for ours); else None."""
+    try:
+        pid = int(pid_path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+    if not alive(pid):
+        return None
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return pid if all(m in cmdline for m in markers) else None
+
+
+def terminate(pids: list[int], timeout_s: float) -> None:
+    """SIGTERM ``pids``, wait up to ``timeout_s`` for them all, then SIGKILL the rest (a broker
+    whose peers are gone can wait forever in controlled shutdown); returns once all are gone."""
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            while alive(pid):
+                time.sleep(0.05)
+
+
+def require_free_port(port: int, error: type[StackError], setting: str) -> None:
+    """Raise ``error`` if something listens on 127.0.0.1:``port``, naming the ``setting`` that
+    moves it. Bound as the servers bind (SO_REUSEADDR): connections of a just-stopped server
+    lingering in TIME_WAIT do not block a restart on the same port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            raise error(
+                f"port 127.0.0.1:{port} is already in use; stop whatever holds it or choose "
+                f"another port with {setting}"
+            ) from None
+
+
+def properties_escape(value: str) -> str:
+    """A value as Java's Properties.load reads it back (backslash is its escape character)."""
+    return value.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last ``lines`` lines of a server's log, or a note that it wrote none."""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log written)"
+    return "\n".join(text[-lines:])
