@@ -17,7 +17,7 @@ from backfill_assets.defs.partitions import kafka_hours
 from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
 from backfill_assets.errors import KafkaClientError
 from backfill_assets.lake.decode.envelope import KAFKA_COLUMNS
-from backfill_assets.lake.offsets import identity, ledger
+from backfill_assets.lake.offsets import identity
 from backfill_assets.lake.offsets.contract import window_contract
 from backfill_assets.lake.write import audit, checks, derived, publish, replay, wap
 from backfill_assets.spec import declared, versions
@@ -568,38 +568,8 @@ def _derive_body(
     started = datetime.now(UTC)
     session = spark.spark_session
     outcome = run(0)
-
-    def rebase(attempt: int) -> tuple[wap.Branch, list[checks.CheckOutcome]]:
-        again = run(attempt)
-        wap.ref_sql(
-            session, table, f"ALTER TABLE {table} DROP BRANCH IF EXISTS `{outcome.branch.name}`"
-        )
-        outcome.branch, outcome.checks, outcome.metadata = (
-            again.branch,
-            again.checks,
-            again.metadata,
-        )
-        # The rebased run read its inputs again: its lineage is what it read this time.
-        outcome.reads.clear()
-        outcome.reads.update(again.reads)
-        summary["reads"] = ledger.reads_json(outcome.reads)
-        return again.branch, again.checks
-
-    summary = {
-        "run-id": context.run.run_id,
-        "window": f"{window.start.isoformat()}/{window.end.isoformat()}",
-        # Which publish of each input the run read (ledger.sync_from_history keeps it).
-        "reads": ledger.reads_json(outcome.reads),
-    }
-    request = publish.PublishRequest(
-        table=table,
-        branch=outcome.branch,
-        results=outcome.checks,
-        window=(window.start, window.end),
-        record={},
-        summary=summary,
-        rebase=rebase,
-        ledger_reads=outcome.reads,
+    request = publish.derived_request(
+        session, table, outcome, run, context.run.run_id, (window.start, window.end)
     )
     snapshot, total_rows, evaluations = yield from _audit_and_publish(
         context, iceberg, session, request, {"started_at": started}

@@ -160,6 +160,54 @@ def raw_request(
     )
 
 
+def derived_request(
+    session: Any,
+    table: str,
+    outcome: derived.DerivedOutcome,
+    build: Callable[[int], derived.DerivedOutcome],
+    run_id: str,
+    window: tuple[datetime, datetime],
+) -> PublishRequest:
+    """What a derived run (current state or a declared table) publishes: its branch and
+    checks, a summary naming the run, its window and which publish of each input it read. A
+    rebase builds the window again on a new branch from main (``build(attempt)``, which reads
+    the inputs again), drops the old branch, and records what the new build read. ``record``
+    (the audit row's run fields) is left to the caller."""
+    summary = {
+        "run-id": run_id,
+        "window": f"{window[0].isoformat()}/{window[1].isoformat()}",
+        # Which publish of each input the run read (ledger.sync_from_history keeps it).
+        "reads": ledger.reads_json(outcome.reads),
+    }
+
+    def rebase(attempt: int) -> tuple[wap.Branch, list[CheckOutcome]]:
+        again = build(attempt)
+        wap.ref_sql(
+            session, table, f"ALTER TABLE {table} DROP BRANCH IF EXISTS `{outcome.branch.name}`"
+        )
+        outcome.branch, outcome.checks, outcome.metadata = (
+            again.branch,
+            again.checks,
+            again.metadata,
+        )
+        # The rebased run read its inputs again: its lineage is what it read this time.
+        outcome.reads.clear()
+        outcome.reads.update(again.reads)
+        summary["reads"] = ledger.reads_json(outcome.reads)
+        return again.branch, again.checks
+
+    return PublishRequest(
+        table=table,
+        branch=outcome.branch,
+        results=outcome.checks,
+        window=window,
+        record={},
+        summary=summary,
+        rebase=rebase,
+        ledger_reads=outcome.reads,
+    )
+
+
 def _one_version_each(session: Any, outcome: ReplayOutcome) -> bool:
     """Whether no event id of the run's window can have another version on its branch.
 
