@@ -50,6 +50,15 @@ class GeneratorError(ArgumentError):
     """The demo event generator was given arguments it cannot honour."""
 
 
+class RegistryUnavailable(StackError):
+    """The schema registry did not answer a look-up the caller needs: a run publishes nothing,
+    a spec whose columns come from the registry does not load."""
+
+
+class LocalRegistryError(StackError):
+    """The local schema registry could not be built, started, reached or stopped."""
+
+
 class KafkaClientError(StackError):
     """Kafka refused or did not answer a metadata or offset request, or lacks the topic."""
 

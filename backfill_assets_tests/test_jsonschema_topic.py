@@ -199,6 +199,7 @@ def test_the_independent_decode_agrees_without_spark(world: World, registry: Loc
 def test_each_id_is_judged_by_its_schema_type_and_an_outage_raises() -> None:
     """No stack: the Python judgement of an id (before any Spark expression), and a registry
     that does not answer fails the lookup (the run then publishes nothing)."""
+    from backfill_assets.errors import RegistryUnavailable
     from backfill_assets.lake.decode import avro, json_schema
     from backfill_assets_tests.support.services import free_port
 
@@ -208,5 +209,5 @@ def test_each_id_is_judged_by_its_schema_type_and_an_outage_raises() -> None:
     assert json_schema.judge(6, ("PROTOBUF", "syntax")).reason == "incompatible_schema:6"
     check = json_schema.WireCheck("http://127.0.0.1:1")
     assert check(b'{"a": 1}') == check(b"\x00\x00") == "not_json_schema_wire_format"
-    with pytest.raises(avro.RegistryUnavailable, match="schema registry: schema id 7"):
+    with pytest.raises(RegistryUnavailable, match="schema registry: schema id 7"):
         json_schema.resolve(f"http://127.0.0.1:{free_port()}", [7])

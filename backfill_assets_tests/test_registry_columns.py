@@ -20,14 +20,11 @@ import yaml
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from google.protobuf import descriptor_pb2
 
+from backfill_assets.errors import RegistryUnavailable
 from backfill_assets.ops import cli
 from backfill_assets.spec.loader import load_specs
 from backfill_assets.spec.model import SpecError, TopicSpec
-from backfill_assets.spec.registry_columns import (
-    ColumnsError,
-    RegistryUnreachable,
-    derive_columns,
-)
+from backfill_assets.spec.registry_columns import ColumnsError, derive_columns
 from backfill_assets.stack.registry import LocalRegistry
 from backfill_assets.stack.settings import CCOMPAT_PATH
 from backfill_assets_tests.support import services
@@ -222,7 +219,7 @@ def test_a_field_that_cannot_be_a_column_is_named(registry: LocalRegistry, clien
 def test_a_missing_subject_names_it_and_the_registry(registry: LocalRegistry) -> None:
     with pytest.raises(ColumnsError) as err:
         derive_columns("avro", "nowhere-value", registry.url)
-    assert not isinstance(err.value, RegistryUnreachable)
+    assert not isinstance(err.value, RegistryUnavailable)
     assert f"subject 'nowhere-value' is not in the schema registry at {registry.url}" in str(
         err.value
     )

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from backfill_assets.errors import RegistryUnavailable
 from backfill_assets.spec import declared, registry_columns
 from backfill_assets.spec.model import REGISTRY_FORMATS, SPEC_PATH, SpecError, TopicSpec
 from backfill_assets.spec.registry_columns import ColumnsError
@@ -48,7 +49,7 @@ def load_specs(path: Path | None = None) -> list[TopicSpec]:
         where = f"{path}: topic {name!r}" if isinstance(name, str) else f"{path}: topics[{i}]"
         try:
             derived = _with_registry_columns(entry)
-        except ColumnsError as err:
+        except (ColumnsError, RegistryUnavailable) as err:
             problems.append(f"{where}: columns: {err}")
             continue
         try:

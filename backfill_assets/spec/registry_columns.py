@@ -28,9 +28,9 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
-from backfill_assets.errors import ErrorKind
+from backfill_assets.errors import RegistryUnavailable
 from backfill_assets.spec import proto
 from backfill_assets.spec.model import SpecError
 
@@ -66,12 +66,6 @@ class ColumnsError(SpecError):
     that cannot be a column)."""
 
 
-class RegistryUnreachable(ColumnsError):
-    """The schema registry did not answer."""
-
-    kind: ClassVar[ErrorKind] = "unavailable"
-
-
 @dataclass(frozen=True)
 class Derived:
     """The columns a subject's latest schema gives, and the fields that cannot be columns
@@ -95,7 +89,7 @@ def derive_columns(
 ) -> list[dict[str, Any]]:
     """The columns of ``subject``'s latest schema in the registry at ``url``, as topics.yaml
     holds them; :class:`ColumnsError` if a field cannot be a column or the subject is not there,
-    :class:`RegistryUnreachable` if the registry does not answer."""
+    :class:`~backfill_assets.errors.RegistryUnavailable` if the registry does not answer."""
     derived = read_columns(format, subject, url, message)
     problem = derived.problem()
     if problem is not None:
@@ -144,7 +138,7 @@ def _latest(subject: str, url: str, *, serialized: bool) -> RegisteredSchema:
         reason = f"{exc.http_status_code} {exc.error_message}"
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"
-    raise RegistryUnreachable(
+    raise RegistryUnavailable(
         f"the schema registry at {url} did not answer for subject {subject!r} ({reason}): "
         "start it with `backfill-assets stack up` (or set BACKFILL_SCHEMA_REGISTRY_URL), or "
         "declare `columns` in topics.yaml to pin them so loading needs no registry"

@@ -20,13 +20,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from backfill_assets.errors import StackError
+from backfill_assets.errors import LocalRegistryError
 from backfill_assets.stack import jars, process
 from backfill_assets.stack.settings import Settings, local_registry_url
-
-
-class RegistryError(StackError):
-    """The local schema registry could not be built, started, reached or stopped."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +71,7 @@ class LocalRegistry:
         proc = self.launch()
         try:
             self.wait_ready(timeout_s, proc)
-        except RegistryError:
+        except LocalRegistryError:
             if proc is not None:
                 self.stop()
             raise
@@ -86,8 +82,8 @@ class LocalRegistry:
         if self.running_pid() is not None:
             return None
         jars.build_registry(self.settings)
-        java = process.java(RegistryError, "the schema registry")
-        process.require_free_port(self.port, RegistryError, "BACKFILL_SCHEMA_REGISTRY_PORT")
+        java = process.java(LocalRegistryError, "the schema registry")
+        process.require_free_port(self.port, LocalRegistryError, "BACKFILL_SCHEMA_REGISTRY_PORT")
         self.dir.mkdir(parents=True, exist_ok=True)
         cmd = [
             java,
@@ -115,14 +111,14 @@ class LocalRegistry:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
-                raise RegistryError(
+                raise LocalRegistryError(
                     f"the schema registry exited with code {proc.returncode} during start-up. "
                     f"Last lines of {self.log_path}:\n{self._log_tail()}"
                 )
             if self.ready():
                 return
             time.sleep(0.25)
-        raise RegistryError(
+        raise LocalRegistryError(
             f"the schema registry on 127.0.0.1:{self.port} was not ready within "
             f"{timeout_s:.0f}s. Last lines of {self.log_path}:\n{self._log_tail()}"
         )

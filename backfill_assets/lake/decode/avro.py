@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets.errors import BackfillError
+from backfill_assets.errors import RegistryUnavailable
 from backfill_assets.lake.decode.envelope import WIRE_HEADER, schema_id, wire_stage
 from backfill_assets.spec.model import SPARK_TYPES, TopicSpec
 
@@ -46,10 +46,6 @@ _AVRO_TYPES = {
     "boolean": "boolean",
 }
 _TIMESTAMPS = ("timestamp-millis", "timestamp-micros")
-
-
-class RegistryUnavailable(BackfillError):
-    """The schema registry did not answer a lookup the run needs (nothing is published)."""
 
 
 @dataclass(frozen=True)

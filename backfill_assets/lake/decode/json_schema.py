@@ -47,7 +47,7 @@ def judge(sid: int, found: tuple[str, str] | None) -> avro.Writer:
 def resolve(url: str, ids: Iterable[int]) -> dict[int, avro.Writer]:
     """Every schema id of ``ids`` judged (:func:`judge`) against the registry at ``url``; a
     registry that does not answer raises
-    :class:`~backfill_assets.lake.decode.avro.RegistryUnavailable`."""
+    :class:`~backfill_assets.errors.RegistryUnavailable`."""
     registry = avro.client(url)
     return {sid: judge(sid, avro.lookup(registry, sid)) for sid in sorted(set(ids))}
 

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from backfill_assets.errors import RegistryUnavailable
 from backfill_assets.lake.decode import avro
 from backfill_assets.lake.decode.envelope import WIRE_HEADER, schema_id, wire_stage
 from backfill_assets.spec import proto
@@ -80,8 +81,8 @@ class Writer:
 
 def lookup(registry: SchemaRegistryClient, sid: int) -> tuple[str, str] | None:
     """The schema type and its serialized form (base64 ``FileDescriptorProto`` for Protobuf) of
-    ``sid``; None if the registry has no such id; :class:`avro.RegistryUnavailable` if it does
-    not answer."""
+    ``sid``; None if the registry has no such id;
+    :class:`~backfill_assets.errors.RegistryUnavailable` if it does not answer."""
     from confluent_kafka.schema_registry.error import SchemaRegistryError
 
     try:
@@ -89,9 +90,9 @@ def lookup(registry: SchemaRegistryClient, sid: int) -> tuple[str, str] | None:
     except SchemaRegistryError as exc:
         if exc.http_status_code == 404:
             return None
-        raise avro.RegistryUnavailable(f"schema registry: schema id {sid}: {exc}") from exc
+        raise RegistryUnavailable(f"schema registry: schema id {sid}: {exc}") from exc
     except Exception as exc:
-        raise avro.RegistryUnavailable(f"schema registry: schema id {sid}: {exc}") from exc
+        raise RegistryUnavailable(f"schema registry: schema id {sid}: {exc}") from exc
     return str(schema.schema_type or "AVRO"), str(schema.schema_str)
 
 
