@@ -44,7 +44,7 @@ for tier in $tiers; do
     echo "== pytest (cluster stack: test_cluster, exactness, faults; BACKFILL_TEST_STACK=cluster)"
     BACKFILL_TEST_STACK=cluster .venv/bin/python -m pytest \
       -m "cluster or faults or not (slow or browser or convergence)" "$@" \
-      backfill_assets_tests/test_cluster.py backfill_assets_tests/test_exactness.py \
-      backfill_assets_tests/test_rollback_faults.py backfill_assets_tests/test_faults.py
+      backfill_assets_tests/test_cluster.py backfill_assets_tests/lake/test_exactness.py \
+      backfill_assets_tests/lake/test_rollback_faults.py backfill_assets_tests/lake/test_faults.py
   fi
 done

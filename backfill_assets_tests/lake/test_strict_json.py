@@ -185,7 +185,7 @@ def test_an_upcaster_that_reads_the_variant_itself_still_works(
         "orders_custom",
         upcasters={
             1: orders.upcasters[1],
-            2: "backfill_assets_tests.test_strict_json:_custom_v2",
+            2: "backfill_assets_tests.lake.test_strict_json:_custom_v2",
         },
     )
     hour = datetime(2026, 7, 1, tzinfo=UTC)

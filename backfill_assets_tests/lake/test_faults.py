@@ -1,7 +1,7 @@
 """Fault injection: kill -9 of a run, a broker restart mid-replay, two overlapping runs.
 
 Every materialization under test runs in its own process (``python -m
-backfill_assets_tests.test_faults``, the runner at the bottom of this file) with this session's
+backfill_assets_tests.lake.test_faults``, the runner at the bottom of this file) with this session's
 ``BACKFILL_*`` environment and a shared temporary ``DAGSTER_HOME``, as its own process group,
 so a SIGKILL takes the run's Spark JVM and Python workers with it (a container or node dying).
 Kills come from the failpoints of :mod:`backfill_assets.stack.faults` (``BACKFILL_FAULT_POINT``) or,
@@ -235,7 +235,7 @@ def _start(world: World, first: int, last: int, **env: str) -> Run:
             [
                 sys.executable,
                 "-m",
-                "backfill_assets_tests.test_faults",
+                "backfill_assets_tests.lake.test_faults",
                 "--topic",
                 world.spec.topic,
                 "--first",
@@ -245,7 +245,7 @@ def _start(world: World, first: int, last: int, **env: str) -> Run:
                 "--run-id",
                 run_id,
             ],
-            cwd=Path(__file__).resolve().parent.parent,
+            cwd=Path(__file__).resolve().parents[2],
             env={**world.env, **env},
             stdout=out,
             stderr=subprocess.STDOUT,

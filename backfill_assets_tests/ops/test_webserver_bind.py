@@ -10,7 +10,7 @@ import re
 import urllib.parse
 
 from backfill_assets.stack.settings import REPO_ROOT, Settings
-from backfill_assets_tests.test_broker import _listening_addresses
+from backfill_assets_tests.stack.test_broker import _listening_addresses
 
 
 def test_webserver_listens_on_loopback_only(dagster_services: str) -> None:

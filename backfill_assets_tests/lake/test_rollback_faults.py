@@ -2,7 +2,7 @@
 rollback or sensor tick converges (issue 30: "a rollback is not atomic with the ledger").
 
 Each test rolls back the latest raw publish (Kafka hours 06-07, raw table only) in its own
-process (``python -m backfill_assets_tests.test_rollback_faults``, the runner at the bottom),
+process (``python -m backfill_assets_tests.lake.test_rollback_faults``, the runner at the bottom),
 SIGKILLed at one failpoint of :func:`backfill_assets.lake.operations.rollback.rollback`:
 
 * ``rollback_intent_recorded``: the ledger holds the intent, main has not moved. The ledger
@@ -165,7 +165,7 @@ def _rollback_killed_at(world: World, point: str, run_id: str) -> None:
             [
                 sys.executable,
                 "-m",
-                "backfill_assets_tests.test_rollback_faults",
+                "backfill_assets_tests.lake.test_rollback_faults",
                 "--topic",
                 world.spec.topic,
                 "--run",
@@ -173,7 +173,7 @@ def _rollback_killed_at(world: World, point: str, run_id: str) -> None:
                 "--table",
                 world.full(world.spec.raw_table),
             ],
-            cwd=Path(__file__).resolve().parent.parent,
+            cwd=Path(__file__).resolve().parents[2],
             env={**world.env, "BACKFILL_FAULT_POINT": point},
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -43,7 +43,7 @@ from backfill_assets_tests.support.runs import (
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 HOUR0 = datetime(2026, 2, 12, 5, tzinfo=UTC)
 RANGE = ("2026-02-12-05:00", "2026-02-12-06:00")
 

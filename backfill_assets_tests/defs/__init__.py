@@ -1,0 +1,1 @@
+"""Tests of what Dagster loads: definitions, assets, sensors, the daemon's convergence."""

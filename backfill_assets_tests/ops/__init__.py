@@ -1,0 +1,1 @@
+"""Tests of what operators run: the CLI, the planner, the UI, the demo's stop."""

@@ -1,0 +1,1 @@
+"""Tests of the spec: loading, versions, registry-derived columns, column lineage."""

@@ -1,0 +1,1 @@
+"""Tests of the machinery: broker, catalog, Spark, registry, settings, security."""
