@@ -36,6 +36,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
 
 import dagster as dg
 
@@ -47,6 +48,11 @@ from backfill_assets.lake.offsets import ledger
 from backfill_assets.lake.offsets.windows import hours_between
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
+
+if TYPE_CHECKING:
+    from pyiceberg.catalog import Catalog
+
+    from backfill_assets.stack.kafka import KafkaClient
 
 REQUEST_TAG = "backfill_assets/request"
 MAX_RANGE_HOURS = 168
@@ -170,12 +176,37 @@ def _empty_reports(
     spec: TopicSpec,
     specs: list[TopicSpec] | None,
 ) -> list[dg.AssetMaterialization]:
-    """Materializations, marked empty, of the known-empty hours Dagster has none for yet."""
-    known = empty.find(
-        kafka.client(), iceberg.catalog(), iceberg.settings.catalog.namespace, spec, specs=specs
+    """This tick's share of the known-empty hours Dagster has no materialization for yet."""
+    wanted = empty_reports(
+        context.instance,
+        kafka.client(),
+        iceberg.catalog(),
+        iceberg.settings.catalog.namespace,
+        spec,
+        specs,
     )
-    partitions_def = kafka_hours(spec)
-    valid = set(partitions_def.get_partition_keys())
+    if len(wanted) > MAX_EMPTY_REPORTS:
+        context.log.info(
+            f"{len(wanted)} known-empty hours to report; {MAX_EMPTY_REPORTS} now (newest first), "
+            "the rest on the next ticks"
+        )
+    return wanted[:MAX_EMPTY_REPORTS]
+
+
+def empty_reports(
+    instance: dg.DagsterInstance,
+    client: KafkaClient,
+    catalog: Catalog,
+    namespace: str,
+    spec: TopicSpec,
+    specs: list[TopicSpec] | None = None,
+) -> list[dg.AssetMaterialization]:
+    """Materializations, marked empty, of every known-empty hour of ``spec``'s assets that
+    ``instance`` has none for yet, newest first (:mod:`backfill_assets.lake.coverage.empty`
+    says which hours provably hold nothing). Reading only: the caller stores them (the gap
+    sensor a share per tick, ``backfill-assets report-empty`` all at once)."""
+    known = empty.find(client, catalog, namespace, spec, specs=specs)
+    valid = set(kafka_hours(spec).get_partition_keys())
     wanted: list[tuple[datetime, dg.AssetKey, str]] = []
     per_asset = [
         (raw_asset_key(spec), known.kafka, "Kafka hour"),
@@ -183,17 +214,12 @@ def _empty_reports(
         *((table_asset_key(n), hours, "event hour") for n, hours in known.tables.items()),
     ]
     for key, hours, what in per_asset:
-        done = context.instance.get_materialized_partitions(key)
+        done = instance.get_materialized_partitions(key)
         for hour in hours:
             pkey = f"{hour:{detect.PARTITION_FMT}}"
             if pkey in valid and pkey not in done:
                 wanted.append((hour, key, what))
     wanted.sort(key=lambda w: (w[0], w[1].to_user_string()), reverse=True)
-    if len(wanted) > MAX_EMPTY_REPORTS:
-        context.log.info(
-            f"{len(wanted)} known-empty hours to report; {MAX_EMPTY_REPORTS} now (newest first), "
-            "the rest on the next ticks"
-        )
     return [
         dg.AssetMaterialization(
             asset_key=key,
@@ -206,7 +232,7 @@ def _empty_reports(
             },
             tags={EMPTY_TAG: "true"},
         )
-        for hour, key, what in wanted[:MAX_EMPTY_REPORTS]
+        for hour, key, what in wanted
     ]
 
 

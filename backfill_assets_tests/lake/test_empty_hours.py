@@ -31,10 +31,12 @@ from backfill_assets.defs.assets import (
 )
 from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.defs.partitions import kafka_hours
-from backfill_assets.defs.sensors import EMPTY_TAG, build_gap_sensor
+from backfill_assets.defs.sensors import EMPTY_TAG, build_gap_sensor, empty_reports
 from backfill_assets.demo.generator import TOPIC_CONFIGS
 from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
+from backfill_assets.stack import catalog
+from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import Settings
 from backfill_assets_tests.support.runs import materialize_range
 
@@ -141,9 +143,24 @@ def test_missing_partitions_are_exactly_the_real_gaps(world: World) -> None:
     assert len(tables) == 2 and all(t.lateness_hours == 3 for t in spec.tables)
 
     # Before any run: the hours before the data (the oldest committed record is in hour 0)
-    # and after it (no record is newer than hour 5) are done; everything else is not.
-    requests, _ = _tick(world)
+    # and after it (no record is newer than hour 5) are done; everything else is not. All of
+    # them reported at once, as `backfill-assets report-empty` does before the demo's UI
+    # serves (a tick reports at most MAX_EMPTY_REPORTS); the tick then has none left.
+    settings = Settings.from_env()
+    every = empty_reports(
+        world.instance,
+        KafkaClient(settings),
+        catalog.load(settings.catalog),
+        settings.catalog.namespace,
+        spec,
+    )
+    assert {e.partition for e in every if e.asset_key == raw} == {_h(h) for h in (-3, -2, -1, 6, 7)}
+    for event in every:
+        world.instance.report_runless_asset_event(event)
+    assert _missing(world, raw) == [0, 1, 2, 3, 4, 5]
+    requests, reported = _tick(world)
     assert [(r.tags["dagster/asset_partition_range_start"]) for r in requests] == [_h(0), _h(3)]
+    assert [e for e in reported if e.partition in {_h(h) for h in range(-3, 8)}] == []
     assert _missing(world, raw) == [0, 1, 2, 3, 4, 5]
 
     # The gap sensor's two ranges, except hour 5: the real gap.

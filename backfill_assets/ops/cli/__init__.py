@@ -159,6 +159,7 @@ for _command in (
     rollback.audit_command,
     rollback.rollback_command,
     upkeep.gaps_command,
+    upkeep.report_empty_command,
     adopt.adopt_command,
     columns.columns_command,
 ):

@@ -305,3 +305,44 @@ def _gaps_table(spec: TopicSpec, doc: dict[str, Any]) -> output.Table:
             ),
         )
     return table
+
+
+@click.command(
+    "report-empty",
+    short_help="Mark every hour with nothing to hold as done in the Dagster instance now.",
+)
+@topic_option
+@with_ui
+def report_empty_command(ui: Ui, settings: Settings, topic: str) -> int:
+    """Report to the Dagster instance of $DAGSTER_HOME every hour of the topic's assets that
+    provably holds nothing (sealed, no records) and has no materialization yet, as the gap
+    sensor does a share per tick. Afterwards the partition bar's "Missing" means only hours
+    whose records are not published. Each report is one event in the instance; nothing is
+    written to the tables."""
+    from backfill_assets.defs.sensors import empty_reports
+
+    spec = spec_of(topic)
+    with dg.DagsterInstance.get() as instance:
+        events = empty_reports(
+            instance,
+            common.kafka(),
+            catalog.load(settings.catalog),
+            settings.catalog.namespace,
+            spec,
+            list(common.specs().values()),
+        )
+        with ui.progress(
+            f"reporting known-empty hours of {spec.topic}", len(events), "hours"
+        ) as update:
+            for i, event in enumerate(events, 1):
+                instance.report_runless_asset_event(event)
+                update(i, None)
+    per_asset: dict[str, int] = {}
+    for event in events:
+        name = event.asset_key.to_user_string()
+        per_asset[name] = per_asset.get(name, 0) + 1
+    ui.emit({"topic": spec.topic, "reported": len(events), "per_asset": per_asset})
+    ui.line(f"topic {spec.topic!r}: {len(events)} known-empty hour(s) reported as done")
+    for name, n in sorted(per_asset.items()):
+        ui.line(f"  {name}: {n}")
+    return Exit.OK
