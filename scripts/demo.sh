@@ -38,6 +38,28 @@ if [ ! -f "$truth" ]; then
 else
   echo "demo history already written ($truth)"
 fi
+# The shipped spec's partitions start months before the demo's data; the demo serves a copy
+# whose partition_start is the data's first hour, so the UI's partition bars hold the demo's
+# hours only. Every process below (the first backfill, the UI, the daemon, their runs) reads it.
+# A spec of your own (BACKFILL_SPEC set) is used as it is.
+if [ -z "${BACKFILL_SPEC:-}" ]; then
+  export BACKFILL_SPEC="$home/demo/spec/topics.yaml"
+  .venv/bin/python - "$truth" "$BACKFILL_SPEC" <<'EOF'
+import json, re, shutil, sys
+from datetime import datetime
+from pathlib import Path
+from backfill_assets.spec.model import SPEC_PATH
+start = datetime.fromisoformat(json.load(open(sys.argv[1]))["start"])
+first = start.replace(minute=0, second=0, microsecond=0)
+out = Path(sys.argv[2])
+shutil.copytree(SPEC_PATH.parent / "tables", out.parent / "tables", dirs_exist_ok=True)
+line = f'partition_start: "{first.isoformat()}"'
+text, n = re.subn(r'partition_start: "[^"]*"', line, SPEC_PATH.read_text())
+assert n == 1, f"{SPEC_PATH}: expected one partition_start, found {n}"
+out.write_text(text)
+EOF
+  echo "demo spec: $BACKFILL_SPEC (partitions from the demo's first hour)"
+fi
 # First backfill: the first 6 hours of the demo history (raw + current state; the event-time
 # table for the hours whose late events have all arrived). Skipped once it has succeeded.
 if [ ! -f "$home/demo/first-backfill.done" ]; then
@@ -55,9 +77,9 @@ fi
 # Archive what Kafka holds (only records not archived yet; a no-op when nothing is new), so
 # the history stays replayable after Kafka's retention deletes it.
 $cli archive --topic orders
-# The demo's partitions start months before its data: mark every hour with nothing to hold as
-# done now (the gap sensor would report them a share per tick, for half an hour), so the UI's
-# "Missing" means, from its first page, only hours whose records are not published yet.
+# Mark every hour with nothing to hold as done now (the gap sensor would report them a share per
+# tick), so the UI's "Missing" means, from its first page, only hours whose records are not
+# published yet.
 $cli report-empty --topic orders
 
 # Serve the UI. `dg dev` runs the webserver, the daemon and a code server; runs are subprocesses

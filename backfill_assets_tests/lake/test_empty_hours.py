@@ -158,9 +158,9 @@ def test_missing_partitions_are_exactly_the_real_gaps(world: World) -> None:
     for event in every:
         world.instance.report_runless_asset_event(event)
     assert _missing(world, raw) == [0, 1, 2, 3, 4, 5]
-    requests, reported = _tick(world)
+    requests, first_tick = _tick(world)
     assert [(r.tags["dagster/asset_partition_range_start"]) for r in requests] == [_h(0), _h(3)]
-    assert [e for e in reported if e.partition in {_h(h) for h in range(-3, 8)}] == []
+    assert [e for e in first_tick if e.partition in {_h(h) for h in range(-3, 8)}] == []
     assert _missing(world, raw) == [0, 1, 2, 3, 4, 5]
 
     # The gap sensor's two ranges, except hour 5: the real gap.
