@@ -154,13 +154,7 @@ class LocalBroker:
 
     def stop(self, timeout_s: float = 30.0) -> bool:
         """Stop the broker this module started (SIGTERM, then SIGKILL). True if one was running."""
-        pid = self._running_pid()
-        if pid is None:
-            self.pid_path.unlink(missing_ok=True)
-            return False
-        process.terminate([pid], timeout_s)
-        self.pid_path.unlink(missing_ok=True)
-        return True
+        return process.stop(self._running_pid(), self.pid_path, timeout_s)
 
     def kill(self) -> int | None:
         """SIGKILL our node at once (a crash, for fault tests); its PID, or None."""

@@ -197,13 +197,7 @@ class LocalConnectServer:
 
     def stop(self, timeout_s: float = 30.0) -> bool:
         """Stop the server this module started (SIGTERM, then SIGKILL). True if one ran."""
-        pid = self._running_pid()
-        if pid is None:
-            self.pid_path.unlink(missing_ok=True)
-            return False
-        process.terminate([pid], timeout_s)
-        self.pid_path.unlink(missing_ok=True)
-        return True
+        return process.stop(self._running_pid(), self.pid_path, timeout_s)
 
     def status(self, timeout_s: float = 10.0) -> ConnectStatus:
         pid = self._running_pid()

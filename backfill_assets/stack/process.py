@@ -73,6 +73,15 @@ def terminate(pids: list[int], timeout_s: float) -> None:
                 time.sleep(0.05)
 
 
+def stop(pid: int | None, pid_path: Path, timeout_s: float) -> bool:
+    """Stop our server ``pid`` (from :func:`recorded_pid`; None: none runs) and forget its PID
+    file. True if one was running."""
+    if pid is not None:
+        terminate([pid], timeout_s)
+    pid_path.unlink(missing_ok=True)
+    return pid is not None
+
+
 def require_free_port(port: int, error: type[StackError], setting: str) -> None:
     """Raise ``error`` if something listens on 127.0.0.1:``port``, naming the ``setting`` that
     moves it. Bound as the servers bind (SO_REUSEADDR): connections of a just-stopped server

@@ -133,13 +133,7 @@ class LocalRegistry:
 
     def stop(self, timeout_s: float = 30.0) -> bool:
         """Stop the registry this module started (SIGTERM, then SIGKILL). True if one ran."""
-        pid = self.running_pid()
-        if pid is None:
-            self.pid_path.unlink(missing_ok=True)
-            return False
-        process.terminate([pid], timeout_s)
-        self.pid_path.unlink(missing_ok=True)
-        return True
+        return process.stop(self.running_pid(), self.pid_path, timeout_s)
 
     def status(self) -> RegistryStatus:
         pid = self.running_pid()

@@ -35,10 +35,11 @@ def test_a_recorded_pid_counts_only_while_its_process_is_ours_and_alive(tmp_path
         assert process.recorded_pid(pid_path, marker.encode()) == child.pid
         # A PID file whose process is another program (a recycled PID) is not ours.
         assert process.recorded_pid(pid_path, b"some-other-server") is None
-        process.terminate([child.pid], timeout_s=10)
+        assert process.stop(process.recorded_pid(pid_path, marker.encode()), pid_path, 10)
         assert child.wait(timeout=10) != 0
         assert not process.alive(child.pid)
-        assert process.recorded_pid(pid_path, marker.encode()) is None
+        assert not pid_path.exists()
+        assert process.stop(process.recorded_pid(pid_path, marker.encode()), pid_path, 10) is False
     finally:
         child.kill()
 
