@@ -53,6 +53,7 @@ def test_every_command_is_there() -> None:
         "maintain",
         "materialize",
         "plan",
+        "report-empty",
         "rollback",
         "stack",
     ]
