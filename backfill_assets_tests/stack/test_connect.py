@@ -97,7 +97,7 @@ import dagster as dg
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import RESOURCES
 
-case = importlib.import_module(f"backfill_assets_tests.{sys.argv[2]}")
+case = importlib.import_module(f"backfill_assets_tests.lake.{sys.argv[2]}")
 RANGE, spec = case.RANGE, case._spec(sys.argv[1])
 with dg.instance_for_test() as instance:
     res = dg.materialize([build_raw_asset(spec)], resources=RESOURCES, instance=instance,
@@ -239,7 +239,7 @@ def test_registry_topic_over_connect_decodes_every_writer_version(
 
     from confluent_kafka.schema_registry import SchemaRegistryClient
 
-    case = importlib.import_module(f"backfill_assets_tests.{case_name}")
+    case = importlib.import_module(f"backfill_assets_tests.lake.{case_name}")
     topic = f"{case_name.split('_')[1]}_{uuid.uuid4().hex[:8]}"
     records = case._records(SchemaRegistryClient({"url": registry.url}), topic)
     offsets = case._produce(stack_settings, topic, records)
