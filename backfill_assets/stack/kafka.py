@@ -132,7 +132,7 @@ class KafkaClient:
         when ``committed``, else the high watermark) or ``"max_timestamp"`` (the record with
         the largest timestamp; (-1, -1) for an empty partition; ``committed=False`` counts
         transaction markers too). ``committed`` is the request's isolation level
-        (read_committed or read_uncommitted). Retried while a broker fails over
+        (committed records only, or every record and marker). Retried while a broker fails over
         (:func:`through_failover`); the only place this package asks Kafka for offsets."""
         return through_failover(
             f"ListOffsets ({spec}) of topic {topic!r}",
