@@ -37,7 +37,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
 
 # ConfigResource, NewTopic and ResourceType are public but only implicitly re-exported.
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
@@ -48,7 +48,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 
 from backfill_assets.errors import GeneratorError
-from backfill_assets.stack.kafka import client_log
+from backfill_assets.stack.kafka import KafkaClient, client_log
 from backfill_assets.stack.settings import Settings
 
 RecordKind = Literal["valid", "duplicate", "malformed", "tombstone"]
@@ -949,12 +949,7 @@ def _watermarks(
     settings: Settings, topic: str, partitions: int
 ) -> tuple[dict[int, int], dict[int, int]]:
     """Low and high watermark of every partition (no group is joined, nothing is committed)."""
-    conf: dict[str, Any] = {
-        **settings.kafka.client_config(),
-        "group.id": f"backfill-generator-{uuid.uuid4().hex}",
-        "enable.auto.commit": False,
-    }
-    consumer = Consumer(conf)
+    consumer = KafkaClient(settings).offsets_consumer()
     low: dict[int, int] = {}
     high: dict[int, int] = {}
     deadline = time.monotonic() + _ADMIN_TIMEOUT_S

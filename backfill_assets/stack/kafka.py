@@ -60,6 +60,15 @@ def through_failover(what: str, call: Callable[[], T], attempts: int = FAILOVER_
     raise AssertionError("unreachable")
 
 
+def offsets_gone(err: KafkaError | None) -> bool:
+    """Whether a consumer's error says its assigned offset is no longer in the log (the
+    ``auto.offset.reset=error`` of :meth:`KafkaClient.range_consumer`)."""
+    return err is not None and err.code() in (
+        KafkaError._AUTO_OFFSET_RESET,
+        KafkaError.OFFSET_OUT_OF_RANGE,
+    )
+
+
 @dataclass(frozen=True)
 class TopicIdentity:
     """Which log a topic name stands for: the topic id Kafka gave the topic when it was created
@@ -102,8 +111,31 @@ class KafkaClient:
             # Committed reads: ListOffsets answers only below the last stable offset, and
             # records of aborted transactions are never returned.
             "isolation.level": "read_committed",
+            # It never fetches; stated so no consumer of the package relies on a default.
+            "auto.offset.reset": "error",
         }
         return Consumer(conf)
+
+    def range_consumer(self, purpose: str, *, eof: bool = True) -> Consumer:
+        """A consumer that reads offset ranges it is assigned (``purpose`` names it, as a
+        group id the broker never sees joined or committed).
+
+        An assigned offset that is no longer in the log (retention or ``delete_records``
+        overtook the reader) is an error message (:func:`offsets_gone` tells it), never a
+        silent jump to the log's end or start: librdkafka's ``auto.offset.reset`` is
+        ``error``. It reads committed records only, as Spark's Kafka source does; with ``eof``
+        each partition's end is a message."""
+        return Consumer(
+            {
+                **self.settings.kafka.range_reader_config(),
+                "group.id": f"backfill-assets-{purpose}",
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "enable.partition.eof": eof,
+                "isolation.level": "read_committed",
+                "auto.offset.reset": "error",
+            }
+        )
 
     def log_ends(self, topic: str) -> dict[int, tuple[int, int, int]]:
         """Per partition, (log start offset, last stable offset, high watermark).

@@ -35,7 +35,7 @@ from backfill_assets.errors import KafkaClientError
 from backfill_assets.lake.offsets import identity, ledger
 from backfill_assets.spec import declared
 from backfill_assets.spec.model import TableSpec, TopicSpec
-from backfill_assets.stack.kafka import KafkaClient
+from backfill_assets.stack.kafka import KafkaClient, offsets_gone
 from backfill_assets.stack.settings import GAP_READ_BUDGET
 
 HOUR = timedelta(hours=1)
@@ -299,20 +299,8 @@ def _read_hours(
 ) -> tuple[dict[int, dict[int, tuple[int, int]]], dict[int, tuple[int, int]]]:
     """Hour (epoch ms) -> partition -> offsets of the committed records in the given ranges,
     and, per partition left unread (budget spent, or no answer), (next offset, its hour)."""
-    from confluent_kafka import Consumer
-
     reader = _HourReader(topic, budget, {p: list(reversed(t)) for p, t in tasks.items()})
-    consumer = Consumer(
-        {
-            **kafka.settings.kafka.range_reader_config(),
-            # Required by librdkafka; never joined (assign, not subscribe) or committed.
-            "group.id": "backfill-assets-gap-scan",
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "enable.partition.eof": True,
-            "isolation.level": "read_committed",
-        }
-    )
+    consumer = kafka.range_consumer("gap-scan")
     try:
         consumer.assign([reader.begin(p) for p in sorted(reader.pending)])
         active = set(reader.state)
@@ -377,8 +365,16 @@ class _HourReader:
         err = msg.error()
         offset = msg.offset()
         if err is not None:
+            if offsets_gone(err):
+                raise KafkaClientError(
+                    f"topic {self.topic!r} partition {p}: offsets from "
+                    f"{offset if offset is not None and offset >= 0 else st[2]} were deleted "
+                    "from Kafka while the gap sensor read them (retention or delete_records); "
+                    "no hour was judged from the rest. The next tick reads the log as it "
+                    "stands then."
+                )
             if err.code() != KafkaError._PARTITION_EOF:
-                raise RuntimeError(
+                raise KafkaClientError(
                     f"topic {self.topic!r} partition {p}: Kafka error while looking for "
                     f"gaps: {err.str()}"
                 )

@@ -42,7 +42,7 @@ from pyiceberg.catalog import Catalog
 from backfill_assets.lake.offsets import identity, ledger
 from backfill_assets.spec import declared
 from backfill_assets.spec.model import TableSpec, TopicSpec
-from backfill_assets.stack.kafka import KafkaClient
+from backfill_assets.stack.kafka import KafkaClient, offsets_gone
 
 HOUR = timedelta(hours=1)
 _READ_S = 5.0  # reading each partition's oldest committed record, all partitions at once
@@ -166,17 +166,12 @@ def _oldest_record_hour(kafka: KafkaClient, topic: str, parts: list[int]) -> dat
     """The hour of the oldest committed record over ``parts`` (read from each partition's log
     start; aborted records and markers are never returned), or None if a partition did not
     answer. A partition holding no committed record at all answers end-of-partition."""
-    from confluent_kafka import Consumer, KafkaError, TopicPartition
+    from confluent_kafka import KafkaError, TopicPartition
 
-    conf = {
-        **kafka.settings.kafka.client_config(),
-        "group.id": "backfill-assets-offsets-lookup",
-        "enable.auto.commit": False,
-        "enable.auto.offset.store": False,
-        "isolation.level": "read_committed",
-        "enable.partition.eof": True,
-    }
-    consumer = Consumer(conf)
+    # Called only while every log starts at 0; a log start that moves meanwhile is an error
+    # message (no answer), never a jump to the new start, whose record would pass for the
+    # oldest and make the deleted records' hours look empty.
+    consumer = kafka.range_consumer("oldest-record")
     stamps: list[int] = []
     want = set(parts)
     try:
@@ -191,6 +186,8 @@ def _oldest_record_hour(kafka: KafkaClient, topic: str, parts: list[int]) -> dat
                 if err is None:
                     stamps.append(msg.timestamp()[1])
                     want.discard(p)
+                elif offsets_gone(err):
+                    return None
                 elif err.code() == KafkaError._PARTITION_EOF:
                     want.discard(p)
     finally:

@@ -437,25 +437,14 @@ class Archive:
         librdkafka (read_committed) drops records of aborted transactions and transaction
         markers and moves the consumer position past them, so the position reaches ``end``
         even when the last offsets before it hold no committed record."""
-        from confluent_kafka import Consumer, KafkaError, TopicPartition
+        from confluent_kafka import KafkaError, TopicPartition
 
         settings = kafka.settings
-        consumer = Consumer(
-            {
-                **settings.kafka.range_reader_config(),
-                # Required by librdkafka; never joined (assign, not subscribe) or committed.
-                "group.id": "backfill-assets-archiver",
-                "enable.auto.commit": False,
-                "enable.auto.offset.store": False,
-                "enable.partition.eof": False,
-                # Committed records only, as Spark's Kafka source reads them: an archived range
-                # reads exactly like the same range read from Kafka.
-                "isolation.level": ISOLATION,
-                # Offsets deleted while we read are an error, never a silent jump to the end
-                # (which would archive the range as empty).
-                "auto.offset.reset": "error",
-            }
-        )
+        # Committed records only, as Spark's Kafka source reads them (ISOLATION): an archived
+        # range reads exactly like the same range read from Kafka. Offsets deleted while we
+        # read are an error, never a silent jump to the end (which would archive the range as
+        # empty).
+        consumer = kafka.range_consumer("archiver", eof=False)
         consumer.assign([TopicPartition(topic, partition, start)])
         idle_since = time.monotonic()
         try:

@@ -29,9 +29,11 @@ from backfill_assets.lake.offsets.windows import (
     fixed_bounds,
     hours_between,
 )
-from backfill_assets.stack.kafka import through_failover
+from backfill_assets.stack.kafka import offsets_gone, through_failover
 
 if TYPE_CHECKING:
+    from confluent_kafka import Message
+
     from backfill_assets.lake.offsets.archive import Archive
     from backfill_assets.stack.kafka import KafkaClient
 
@@ -259,7 +261,14 @@ def _start_positions(
     hint for ``first`` (or the archive's, below Kafka's log start). Raises :class:`WindowError`
     before anything is read if some offsets the window may include are in neither."""
     parts = sorted(cursors)
-    hints = _hints(kafka, topic, [p for p in parts if 0 not in cursors[p].fixed], first, ends)
+    asked = [p for p in parts if 0 not in cursors[p].fixed]
+    hints = _hints(kafka, topic, asked, first, ends)
+    # The broker answered the hints from the log as it stands now: a log start that moved
+    # since ``ends`` were read (retention, delete_records) must count, or the hint (the new
+    # log start) would pass for the hour's first record.
+    for p, (low, _ts) in kafka.list_offsets(topic, asked, "earliest").items():
+        if low > ends[p][0]:
+            ends[p] = (low, *ends[p][1:])
     missing: dict[int, tuple[int, int]] = {}
     for p in parts:
         low, lso, _hw = ends[p]
@@ -420,22 +429,12 @@ def _read_kafka(
     ends: dict[int, tuple[int, int, int]],
     timeout_s: float,
 ) -> None:
-    from confluent_kafka import Consumer, KafkaError, TopicPartition
+    from confluent_kafka import TopicPartition
 
     todo = {p for p, c in cursors.items() if not c.done and c.position < ends[p][1]}
     if not todo:
         return
-    consumer = Consumer(
-        {
-            **kafka.settings.kafka.range_reader_config(),
-            # Required by librdkafka; never joined (assign, not subscribe) or committed.
-            "group.id": "backfill-assets-window-scan",
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "enable.partition.eof": True,
-            "isolation.level": "read_committed",
-        }
-    )
+    consumer = kafka.range_consumer("window-scan")
     try:
         consumer.assign([TopicPartition(topic, p, cursors[p].position) for p in sorted(todo)])
         idle_since = time.monotonic()
@@ -457,20 +456,11 @@ def _read_kafka(
                 assert p is not None
                 if p not in todo:
                     continue
-                err = msg.error()
                 cur = cursors[p]
-                if err is not None:
-                    if err.code() == KafkaError._PARTITION_EOF:
-                        cur.position = max(cur.position, int(msg.offset() or 0))
-                        # Short of the LSO seen at the start, the end is a new leader's that
-                        # has not caught up yet (a broker failed over): keep reading.
-                        if cur.position >= ends[p][1]:
-                            finished.add(p)
-                        continue
-                    raise WindowError(
-                        f"topic {topic!r} partition {p}: Kafka error at offset "
-                        f"{cur.position}: {err.str()}"
-                    )
+                if msg.error() is not None:
+                    if _at_end(kafka, topic, cur, msg, ends[p][1]):
+                        finished.add(p)
+                    continue
                 offset = msg.offset()
                 assert offset is not None
                 ts_ms = msg.timestamp()[1]
@@ -481,6 +471,39 @@ def _read_kafka(
                 consumer.incremental_unassign([TopicPartition(topic, p)])
     finally:
         consumer.close()
+
+
+def _at_end(kafka: KafkaClient, topic: str, cur: _Cursor, msg: Message, lso: int) -> bool:
+    """Whether the error message ``msg`` says partition ``cur`` reached the LSO seen at the
+    start; raises :class:`WindowError` for any other error."""
+    from confluent_kafka import KafkaError
+
+    err = msg.error()
+    assert err is not None
+    if offsets_gone(err):
+        raise _overtaken(kafka, topic, cur.partition, cur.position)
+    if err.code() != KafkaError._PARTITION_EOF:
+        raise WindowError(
+            f"topic {topic!r} partition {cur.partition}: Kafka error at offset "
+            f"{cur.position}: {err.str()}"
+        )
+    cur.position = max(cur.position, int(msg.offset() or 0))
+    # Short of the LSO seen at the start, the end is a new leader's that has not caught up
+    # yet (a broker failed over): keep reading.
+    return cur.position >= lso
+
+
+def _overtaken(kafka: KafkaClient, topic: str, partition: int, position: int) -> WindowError:
+    """The error for a read whose next offset Kafka deleted while the scan ran (retention or
+    ``delete_records``): nothing was sealed past it."""
+    low = kafka.log_ends(topic)[partition][0]
+    return WindowError(
+        f"topic {topic!r} partition {partition}: offsets [{position}, {low}) were deleted "
+        f"from Kafka while this run read them (the log now starts at {low}); nothing was "
+        "written or published. Rerun: the run then reads them from the archive "
+        "(BACKFILL_ARCHIVE_URI) if it holds them, or names the hours they leave unknown.",
+        {partition: (position, low)},
+    )
 
 
 def _hints(
