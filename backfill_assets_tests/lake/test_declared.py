@@ -33,6 +33,7 @@ from backfill_assets.spec.loader import load_specs
 from backfill_assets.spec.model import SpecError, TopicSpec
 from backfill_assets.stack.settings import REPO_ROOT, Settings
 from backfill_assets_tests.support.runs import materialize_range
+from backfill_assets_tests.support.versions import newest
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -263,7 +264,8 @@ def _plan() -> list[tuple[str, bytes | None, int, int, dict[str, Any] | None, da
     late = T0 + timedelta(hours=3, minutes=20)
     again(3, late, 0)  # an identical re-send (same content, later): collapses
     again(5, late, 1, amount_cents=15_000, captured=True, fee=1.25)  # a correction: wins
-    # A stale correction: produced after the first version but with an earlier Kafka time.
+    # A correction produced after the first version, in its partition, stamped a minute
+    # earlier (a slow clock): the later offset wins, whatever the stamps say.
     again(7, firsts[7][2] - timedelta(minutes=1), firsts[7][3], amount_cents=1)
     # Same Kafka time, two partitions, different content: the higher partition wins.
     again(9, late, 0, amount_cents=11)
@@ -319,20 +321,16 @@ def _produce(settings: Settings, topic: str) -> list[Produced]:
 
 
 def _winners(records: list[Produced]) -> dict[str, Produced]:
-    """Per txn_id, the version with the highest (Kafka timestamp, partition, offset)."""
-    best: dict[str, Produced] = {}
+    """Per txn_id, the version the version rule picks (support.versions.newest)."""
+    by_id: dict[str, list[Produced]] = defaultdict(list)
     for r in records:
-        if r.payload is None:
-            continue
-        tid = r.payload["txn_id"]
-        prev = best.get(tid)
-        if prev is None or (r.timestamp_ms, r.partition, r.offset) > (
-            prev.timestamp_ms,
-            prev.partition,
-            prev.offset,
-        ):
-            best[tid] = r
-    return best
+        if r.payload is not None:
+            by_id[r.payload["txn_id"]].append(r)
+    return {tid: newest(versions, _position) for tid, versions in by_id.items()}
+
+
+def _position(r: Produced) -> tuple[int, int, int]:
+    return (r.timestamp_ms, r.partition, r.offset)
 
 
 def _hour(moment: datetime) -> datetime:
@@ -363,22 +361,24 @@ def _expected_hourly(winners: dict[str, Produced]) -> dict[Cell, tuple[int, int,
 
 def _expected_current(records: list[Produced]) -> dict[str, tuple[bool, str | None, int | None]]:
     """Per account: the latest of the winning events (by paid_at) and the tombstones (by Kafka
-    time), then Kafka time, partition, offset: (deleted, txn_id, amount_cents)."""
+    time), then the version rule: (deleted, txn_id, amount_cents)."""
     winners = _winners(records)
     candidates = [*winners.values(), *(r for r in records if r.valid and r.payload is None)]
-    latest: dict[str, tuple[tuple[int, int, int, int], Produced]] = {}
+    by_key: dict[str, list[Produced]] = defaultdict(list)
     for r in candidates:
-        order = _ms(r.paid_at) if r.paid_at is not None else r.timestamp_ms
-        rank = (order, r.timestamp_ms, r.partition, r.offset)
-        if r.key not in latest or rank > latest[r.key][0]:
-            latest[r.key] = (rank, r)
+        by_key[r.key].append(r)
+
+    def order(r: Produced) -> int:
+        return _ms(r.paid_at) if r.paid_at is not None else r.timestamp_ms
+
+    latest = {k: newest(rows, _position, first=order) for k, rows in by_key.items()}
     return {
         k: (
             r.payload is None,
             r.payload["txn_id"] if r.payload else None,
             r.payload["amount_cents"] if r.payload else None,
         )
-        for k, (_, r) in latest.items()
+        for k, r in latest.items()
     }
 
 
@@ -481,7 +481,7 @@ def test_declared_tables_equal_ground_truth(world: World, spark_session: SparkSe
     assert winners["t-005"].payload is not None and winners["t-005"].payload["amount_cents"] == (
         15_000
     )
-    assert winners["t-007"].payload is not None and winners["t-007"].payload["amount_cents"] != 1
+    assert winners["t-007"].payload is not None and winners["t-007"].payload["amount_cents"] == 1
     assert winners["t-009"].payload is not None and winners["t-009"].payload["amount_cents"] == (
         19_999
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections import defaultdict
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,7 @@ from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
 from backfill_assets_tests.support.runs import materialize_range
+from backfill_assets_tests.support.versions import newest
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -295,14 +297,16 @@ def _hostile_raw_rows(seed: int) -> list[tuple[Any, ...]]:
 
 
 def _winners_by_definition(rows: list[tuple[Any, ...]]) -> dict[str, tuple[Any, ...]]:
-    """Per event id, its version with the highest (Kafka time, partition, offset)."""
-    best: dict[str, tuple[Any, ...]] = {}
+    """Per event id, the version the version rule picks (support.versions.newest)."""
+    by_id: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
     for row in rows:
-        if row[13]:
-            continue
-        if row[0] not in best or row[9:12] > best[row[0]][9:12]:
-            best[row[0]] = row
-    return best
+        if not row[13]:
+            by_id[row[0]].append(row)
+    return {eid: newest(versions, _position) for eid, versions in by_id.items()}
+
+
+def _position(row: tuple[Any, ...]) -> tuple[Any, int, int]:
+    return (row[9], row[10], row[11])
 
 
 def _current_by_definition(
@@ -315,7 +319,7 @@ def _current_by_definition(
     out: dict[str, tuple[int, int] | None] = {}
     for key in touched:
         mine = [r for r in candidates if r[1] == key]
-        latest = max(mine, key=lambda r: (r[8] or r[9], r[9], r[10], r[11]), default=None)
+        latest = newest(mine, _position, first=lambda r: r[8] or r[9]) if mine else None
         out[key] = None if latest is None else (latest[10], latest[11])
     return out
 

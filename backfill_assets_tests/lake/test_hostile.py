@@ -238,7 +238,8 @@ def events_truth() -> HostileTruth:
             # an identical re-send with a smaller timestamp: collapses, the original wins
             rec(1, 3, at(10, 0, 20), key=b"o1", value=a, event_id="e1", kind="resend"),
             rec(0, 1, at(10, 5, 40), key=b"o1", value=b1, event_id="e2"),
-            # a correction stamped earlier (skewed clock): the original still wins
+            # a correction stamped earlier (skewed clock) at a later offset: the log's order
+            # wins, the correction replaces the original
             rec(0, 2, at(10, 5, 10), key=b"o1", value=b2, event_id="e2", kind="correction"),
             # an aborted correction never counts
             rec(0, 3, at(10, 9), key=b"o1", value=b3, event_id="e2", committed=False),
@@ -262,7 +263,7 @@ def test_events_conflicts_and_winners() -> None:
     winners = events(truth)
     assert {eid: r.position for eid, r in winners.items()} == {
         "e1": (0, 0),
-        "e2": (0, 1),
+        "e2": (0, 2),
         "e3": (2, 0),
         "e4": (2, 1),
     }
@@ -272,21 +273,21 @@ def test_events_conflicts_and_winners() -> None:
 def test_expected_hourly_and_current() -> None:
     truth = events_truth()
     assert expected_hourly(truth) == {
-        (at(10), "EUR"): HourlyFigures(events=2, orders=1, amount_minor=300, cancelled=0),
+        (at(10), "EUR"): HourlyFigures(events=2, orders=1, amount_minor=350, cancelled=0),
         (at(10), "USD"): HourlyFigures(events=1, orders=1, amount_minor=350, cancelled=0),
         (at(11), "EUR"): HourlyFigures(events=1, orders=1, amount_minor=400, cancelled=1),
     }
     current = expected_current(truth)
     assert set(current) == {"o1", "o2", "o3"}
     o1 = current["o1"]
-    assert (o1.deleted, o1.record.position) == (False, (0, 1))
+    assert (o1.deleted, o1.record.position) == (False, (0, 2))
     assert o1.columns == {
         "event_id": "e2",
         "order_id": "o1",
         "customer_id": "c-00001",
         "event_type": "updated",
-        "status": "open",
-        "amount_minor": 200,
+        "status": "paid",
+        "amount_minor": 250,
         "currency": "EUR",
         "channel": "web",
         "event_time": at(10, 5),
@@ -297,18 +298,25 @@ def test_expected_hourly_and_current() -> None:
     assert (current["o3"].deleted, current["o3"].columns["amount_minor"]) == (False, 400)
 
 
-def test_current_tie_on_time_goes_to_the_later_kafka_timestamp() -> None:
+def test_current_tie_on_time_goes_to_the_later_offset_then_the_later_timestamp() -> None:
     event = payload("e1", "o1", at(10, 0))
-    both = HostileTruth(
-        topic="t",
-        partitions=1,
-        records=(
-            rec(0, 0, at(10, 0, 1), key=b"o1", value=event, event_id="e1"),
-            rec(0, 1, at(10, 0), key=b"o1", value=None, kind="tombstone"),
-        ),
-    )
-    # event_time 10:00 == tombstone stamp 10:00; then the event's Kafka stamp 10:00:01 wins
-    assert expected_current(both)["o1"].deleted is False
+
+    def tie(tombstone_partition: int) -> bool:
+        truth = HostileTruth(
+            topic="t",
+            partitions=2,
+            records=(
+                rec(0, 0, at(10, 0, 1), key=b"o1", value=event, event_id="e1"),
+                rec(tombstone_partition, 1, at(10, 0), key=b"o1", value=None, kind="tombstone"),
+            ),
+        )
+        return expected_current(truth)["o1"].deleted
+
+    # event_time 10:00 == tombstone stamp 10:00. In one partition the later offset (the
+    # tombstone) wins, though its Kafka stamp is earlier; across partitions, the later Kafka
+    # stamp (the event's 10:00:01) wins.
+    assert tie(tombstone_partition=0) is True
+    assert tie(tombstone_partition=1) is False
 
 
 def test_nothing_depends_on_the_local_time_zone(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -89,6 +89,7 @@ from backfill_assets.demo.generator import (
 )
 from backfill_assets.errors import GeneratorError
 from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support.versions import newest
 
 Kind = Literal["event", "resend", "correction", "tombstone"]
 KINDS: tuple[Kind, ...] = ("event", "resend", "correction", "tombstone")
@@ -689,7 +690,7 @@ def hour_figures(
     return out
 
 
-def _winner_key(record: HostileRecord) -> tuple[int, int, int]:
+def _position(record: HostileRecord) -> tuple[int, int, int]:
     return (record.timestamp_ms, record.partition, record.offset)
 
 
@@ -704,14 +705,14 @@ def _versions(truth: HostileTruth) -> dict[str, list[HostileRecord]]:
 def events(truth: HostileTruth) -> dict[str, HostileRecord]:
     """Duplicates and corrections rule: the winner of every event_id.
 
-    Among the committed non-tombstone records with one event_id, the winner is the maximum by
-    (timestamp_ms, partition, offset). Identical re-sends (same value bytes) collapse into it;
+    Among the committed non-tombstone records with one event_id, the winner is the one the
+    version rule picks (:func:`backfill_assets_tests.support.versions.newest`: the later
+    offset within a partition, whatever the producers' clocks said; across partitions the
+    later Kafka timestamp, then partition). Identical re-sends (same value bytes) collapse into it;
     an event_id whose committed versions have more than one distinct value is a conflict (see
     ``conflicts``). Aborted records never count.
     """
-    return {
-        eid: max(versions, key=_winner_key) for eid, versions in sorted(_versions(truth).items())
-    }
+    return {eid: newest(versions, _position) for eid, versions in sorted(_versions(truth).items())}
 
 
 def conflicts(truth: HostileTruth) -> dict[str, int]:
@@ -779,20 +780,18 @@ class CurrentRow:
 
 def expected_current(truth: HostileTruth) -> dict[str, CurrentRow]:
     """Per key (order_id): among the event winners of that key and its committed tombstones,
-    the latest by (event_time for events / Kafka timestamp for tombstones, then Kafka timestamp,
-    partition, offset). The row is deleted=True for a tombstone, else the winner's columns."""
-    candidates: dict[str, list[tuple[tuple[int, int, int, int], HostileRecord]]] = defaultdict(list)
+    the latest by event_time for events / Kafka timestamp for tombstones, then the version
+    rule. The row is deleted=True for a tombstone, else the winner's columns."""
+    candidates: dict[str, list[tuple[int, HostileRecord]]] = defaultdict(list)
     for record in events(truth).values():
         payload = record.payload()
-        order = str(payload["order_id"])
-        candidates[order].append(((int(payload["event_time"]), *_winner_key(record)), record))
+        candidates[str(payload["order_id"])].append((int(payload["event_time"]), record))
     for record in truth.committed():
         if record.value is None and record.key is not None:
-            order = record.key.decode("utf-8")
-            candidates[order].append(((record.timestamp_ms, *_winner_key(record)), record))
+            candidates[record.key.decode("utf-8")].append((record.timestamp_ms, record))
     out: dict[str, CurrentRow] = {}
     for order, ranked in sorted(candidates.items()):
-        record = max(ranked, key=lambda pair: pair[0])[1]
+        record = newest(ranked, lambda pair: _position(pair[1]), first=lambda pair: pair[0])[1]
         if record.value is None:
             out[order] = CurrentRow(order_id=order, deleted=True, record=record, columns={})
             continue

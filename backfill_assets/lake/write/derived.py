@@ -1,11 +1,14 @@
 """Derived lakehouse tables, computed in Spark from the published raw table: each topic's
 current state, and the tables declared in the spec (:mod:`backfill_assets.spec.declared`).
 
-**The duplicates rule** (it does not depend on where runs start or end): the raw table keeps
-every committed record. Among the versions of one event id, the one with the highest (Kafka
-timestamp, partition, offset) wins; identical re-sends collapse into it, and an id whose
-versions differ in content is a *conflict*, counted in the run's metadata. A declared table's
-SQL sees only winners, as the relation named after the topic.
+**The version rule** (:func:`newest`; it does not depend on where runs start or end, nor on
+producer clocks within a partition): the raw table keeps every committed record. Among the
+versions of one event id, within one Kafka partition the later offset wins (the log's order,
+whatever the Kafka timestamps say); across partitions, which share no order, the partitions'
+latest versions compare by Kafka timestamp, then partition number. Identical re-sends collapse
+into the winner, and an id whose versions differ in content is a *conflict*, counted in the
+run's metadata. A declared table's SQL sees only winners, as the relation named after the
+topic.
 
 * A **declared table** is event-time partitioned: a run of hours ``[start, end)`` runs its SQL
   with those bounds over the topic's winning events (of ids with a version in
@@ -16,7 +19,8 @@ SQL sees only winners, as the relation named after the topic.
   pinned when the run starts, and the run's publish records which (its lineage: an input
   publish it did not read makes the hour stale, whatever the clocks say).
 * ``<topic>_current``: per key, the latest of the winning events and the tombstones by the
-  spec's ``order_by`` (Kafka time for tombstones), then Kafka time, partition, offset; an event
+  spec's ``order_by`` (Kafka time for tombstones); among those tied on it, the version rule
+  above (later offset within a partition, then Kafka time, partition); an event
   matching ``deleted_when`` or a tombstone leaves the key with ``deleted = true``. A run of
   Kafka hours W recomputes every key with a raw row in W or whose current row came from W,
   from all of main's raw rows, so re-publishing or rolling back raw hours and re-running
@@ -135,18 +139,44 @@ def winning_versions(
     events = spark.table(raw_table).where(~F.col("is_tombstone"))
     versions = _among(events, ids, key)
     content = F.xxhash64(*[F.col(c.name) for c in spec.columns])
-    order = Window.partitionBy(key).orderBy(
-        F.col("kafka_timestamp").desc(),
-        F.col("kafka_partition").desc(),
-        F.col("kafka_offset").desc(),
-    )
     every = Window.partitionBy(key)
+    counted = versions.withColumn("_versions", F.size(F.collect_set(content).over(every)))
+    return newest(counted, key)
+
+
+def newest(frame: DataFrame, by: str, first: Column | None = None) -> DataFrame:
+    """Per value of ``by``, the one row the version rule picks: the largest ``first`` (an event
+    field the spec orders by; null-safe, nulls lose); among rows tied on it, within one Kafka
+    partition the later offset, whatever the producers' clocks stamped; across partitions the
+    later Kafka timestamp of each partition's pick, then the higher partition.
+
+    Every window is partitioned by ``by`` alone, so Spark shuffles once."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    rows = frame
+    if first is not None:
+        rows = (
+            rows.withColumn("_first", first)
+            .withColumn("_top", F.max("_first").over(Window.partitionBy(by)))
+            .where(F.col("_first").eqNullSafe(F.col("_top")) | F.col("_top").isNull())
+            .drop("_top")
+        )
+    log = Window.partitionBy(by).orderBy("kafka_partition", "kafka_offset")
+    newest_first = Window.partitionBy(by).orderBy(
+        F.col("kafka_timestamp").desc(), F.col("kafka_partition").desc()
+    )
+    nxt = F.lead("kafka_partition").over(log)
     return (
-        versions.withColumn("_content", content)
-        .withColumn("_n", F.row_number().over(order))
-        .withColumn("_versions", F.size(F.collect_set("_content").over(every)))
+        rows.withColumn("_next_partition", nxt)
+        # The last row of its Kafka partition (for this value of ``by``): the log's newest.
+        .where(
+            F.col("_next_partition").isNull()
+            | (F.col("_next_partition") != F.col("kafka_partition"))
+        )
+        .withColumn("_n", F.row_number().over(newest_first))
         .where(F.col("_n") == 1)
-        .drop("_n", "_content")
+        .drop("_n", "_next_partition", *(["_first"] if first is not None else []))
     )
 
 
@@ -729,9 +759,8 @@ def _current_source(
 def _picked(spec: TopicSpec, raw: DataFrame, touched: DataFrame) -> DataFrame:
     """The positions (:data:`_POSITION`) of each touched key's latest row: among the winning
     versions of the event ids of its events (every version of those ids, whatever its key)
-    and its tombstones, by ``order_by`` (Kafka time for tombstones), Kafka time, partition,
-    offset. Reads only the narrow columns of the raw table."""
-    from pyspark.sql import Window
+    and its tombstones, by ``order_by`` (Kafka time for tombstones), then the version rule
+    (:func:`newest`). Reads only the narrow columns of the raw table."""
     from pyspark.sql import functions as F
 
     rule = spec.current_rule
@@ -740,28 +769,10 @@ def _picked(spec: TopicSpec, raw: DataFrame, touched: DataFrame) -> DataFrame:
     narrow = raw.select(*dict.fromkeys(columns))
     mine = _among(narrow, touched, key)
     ids = mine.where(~F.col("is_tombstone")).select(event_id).distinct().localCheckpoint(eager=True)
-    newest_version = Window.partitionBy(event_id).orderBy(
-        F.col("kafka_timestamp").desc(),
-        F.col("kafka_partition").desc(),
-        F.col("kafka_offset").desc(),
-    )
-    events = (
-        _among(narrow.where(~F.col("is_tombstone")), ids, event_id)
-        .withColumn("_n", F.row_number().over(newest_version))
-        .where(F.col("_n") == 1)
-        .drop("_n")
-    )
-    latest_first = Window.partitionBy(key).orderBy(
-        F.coalesce(F.col(rule.order_by), F.col("kafka_timestamp")).desc(),
-        F.col("kafka_timestamp").desc(),
-        F.col("kafka_partition").desc(),
-        F.col("kafka_offset").desc(),
-    )
-    return (
-        events.unionByName(mine.where(F.col("is_tombstone")))
-        .withColumn("_n", F.row_number().over(latest_first))
-        .where(F.col("_n") == 1)
-        .select(*_POSITION)
+    events = newest(_among(narrow.where(~F.col("is_tombstone")), ids, event_id), event_id)
+    order = F.coalesce(F.col(rule.order_by), F.col("kafka_timestamp"))
+    return newest(events.unionByName(mine.where(F.col("is_tombstone"))), key, order).select(
+        *_POSITION
     )
 
 
