@@ -635,8 +635,8 @@ def _run_executor(env: Mapping[str, str]) -> RunExecutor:
 
 # Test-only failpoints (backfill_assets.stack.faults), in the order a raw run reaches them.
 FAULT_POINTS = (
-    # wap.open_branch: the quarantine window is written, the run branch exists, nothing is
-    # written to it yet (the next step is the branch write commit).
+    # wap.open_branch: the run branch exists, nothing is written to it yet, nor to the
+    # quarantine table (the next steps are the quarantine branch and the branch write).
     "branch_opened",
     # assets._audit_and_publish: every blocking check passed, nothing published yet.
     "checks_passed",

@@ -40,9 +40,9 @@ class OffsetContract:
     # The log the windows were read from (None for ad-hoc contracts).
     identity: TopicIdentity | None = None
     # The hours of the window the ledger already has a publish for, with the committed
-    # records it counted then and the run that published them: a re-run must not publish
-    # fewer (checks: records_kept).
-    published_records: dict[datetime, tuple[int, str]] = field(default_factory=dict)
+    # records it counted then (None: its ledger row does not say) and the run that published
+    # them: a re-run must not publish fewer (checks: records_kept).
+    published_records: dict[datetime, tuple[int | None, str]] = field(default_factory=dict)
 
     @property
     def records(self) -> int:
@@ -123,11 +123,16 @@ def offset_contract(
 
 
 def window_filter(contract: OffsetContract, column: str = "kafka_hour") -> Column:
-    """Rows of the contract's hours. Bounds go to Spark zone-aware (UTC): a naive datetime would
-    be read in the machine's local zone."""
+    """Rows of the contract's hours (:func:`hours_filter`)."""
+    return hours_filter(contract.start, contract.end, column)
+
+
+def hours_filter(start: datetime, end: datetime, column: str = "kafka_hour") -> Column:
+    """Rows of hours ``[start, end)``. Bounds go to Spark zone-aware (UTC): a naive datetime
+    would be read in the machine's local zone."""
     from pyspark.sql import functions as F
 
-    start, end = contract.start.astimezone(UTC), contract.end.astimezone(UTC)
+    start, end = start.astimezone(UTC), end.astimezone(UTC)
     return (F.col(column) >= F.lit(start)) & (F.col(column) < F.lit(end))
 
 
@@ -168,6 +173,6 @@ def window_contract(
         published_records={
             h: (e.records, e.run_id)
             for h, e in covered.items()
-            if start <= h < end and e.offsets is not None and e.records is not None
+            if start <= h < end and e.offsets is not None
         },
     )

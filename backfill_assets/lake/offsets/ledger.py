@@ -620,6 +620,7 @@ def sync_from_history(catalog: Catalog, namespace: str, table_name: str) -> list
                         datetime.fromisoformat(start_s), datetime.fromisoformat(end_s)
                     ),
                     offsets=offsets,
+                    records=_summary_records(props.get(SUMMARY_PREFIX + "hour-records"), offsets),
                     reads=_summary_reads(props.get(SUMMARY_PREFIX + "reads")),
                     recorded_at=datetime.fromtimestamp(snap.timestamp_ms / 1000, UTC),
                     identity=_summary_identity(props),
@@ -670,6 +671,21 @@ def _sync_rollbacks(
         tables = dict.fromkeys([table_name, *(r["table_name"] for r in mine)])
         out += [_row("rollback_committed", name, now, rollback_id=rid) for name in tables]
     _append(catalog, namespace, out)
+
+
+def _summary_records(
+    text: str | None, offsets: Mapping[datetime, Any] | None
+) -> dict[datetime, int] | None:
+    """Per hour, the committed records a raw publish's summary counted (``hour-records``, in
+    the order of its windows' hours); None where the summary does not say (written before it
+    was kept, or its hours do not match)."""
+    if not text or not offsets:
+        return None
+    counts = json.loads(text)
+    hours = sorted(offsets)
+    if not isinstance(counts, list) or len(counts) != len(hours):
+        return None
+    return {h: int(n) for h, n in zip(hours, counts, strict=True)}
 
 
 def _summary_identity(props: Any) -> TopicIdentity | None:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException, NoSuchTableError
 from pyiceberg.table import Table
+from pyiceberg.table.snapshots import ancestors_of
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
 from backfill_assets.errors import BackfillError
@@ -202,6 +203,7 @@ def rollback(
         )
         failpoint("rollback_intent_recorded")
         _commit_rollback(catalog, namespace, table, result, runs, rid, stale)
+        _restore_quarantine(catalog, namespace, specs, result.table_name, set(runs))
         failpoint("rollback_table_committed")
         ledger.record_rollback_outcome(
             catalog,
@@ -260,6 +262,35 @@ def _commit_rollback(
             f"{result.table_name} changed while rolling back ({exc}); nothing was changed "
             "on it. Run the rollback again."
         ) from exc
+
+
+def _restore_quarantine(
+    catalog: Catalog, namespace: str, specs: list[TopicSpec], table_name: str, runs: set[str]
+) -> int | None:
+    """A raw table rolled back takes its quarantine table back with it: the quarantine's main
+    returns to the snapshot before the first quarantine write of the undone ``runs`` in its
+    history (one catalog commit; the same runs, since only the topic's raw runs write there).
+    Returns that snapshot; None if no undone run wrote quarantine rows (or no such table)."""
+    short = table_name.rsplit(".", 1)[-1]
+    spec = next((s for s in specs if s.raw_table == short), None)
+    if spec is None:
+        return None
+    try:
+        table = catalog.load_table(f"{namespace}.{spec.quarantine_table}")
+    except NoSuchTableError:
+        return None
+    meta = table.metadata
+    main = meta.refs.get("main")
+    head = meta.snapshot_by_id(main.snapshot_id) if main is not None else None
+    target = None
+    for snap in ancestors_of(head, meta) if head is not None else []:
+        run = snap.summary[ledger.SUMMARY_PREFIX + "run-id"] if snap.summary else None
+        if run in runs:
+            target = snap.parent_snapshot_id
+    if target is not None:
+        with table.transaction() as tx:
+            ManageSnapshots(tx).rollback_to_snapshot(target).commit()
+    return target
 
 
 def _audit_rollback(

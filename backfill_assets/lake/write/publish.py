@@ -61,6 +61,8 @@ class PublishRequest:
     # commit (a topic recreated meanwhile is refused) and recorded with the ledger rows
     topic: str | None = None
     identity: TopicIdentity | None = None
+    # raw: the run's branch of the quarantine table, published right after the rows
+    quarantine: wap.Branch | None = None
 
 
 @dataclass
@@ -157,6 +159,7 @@ def raw_request(
         ledger_superseded_hours=superseded,
         topic=spec.topic,
         identity=contract.identity,
+        quarantine=outcome.quarantine_branch,
     )
 
 
@@ -245,6 +248,7 @@ def publish(
         error = error or wap.PublishError("nothing was published")
         _audit(tables, "publish_refused", "failed", record, detail=str(error))
         raise PublishRefused(error, branch, results)
+    quarantine_error = _publish_quarantine(session, request)
     # A loss an operator accepted (checks.records_kept) is said in the publish's own row.
     accepted = [str(r.metadata["accepted_loss"]) for r in results if "accepted_loss" in r.metadata]
     _audit(
@@ -256,7 +260,24 @@ def publish(
     )
     total = _record_publish(tables, request, snapshot)
     late, history_error = _record_history(tables, request.table, branch, record.get("run_id"))
+    if quarantine_error is not None:
+        history_error = "; ".join(e for e in (quarantine_error, history_error) if e)
     return Published(snapshot, total, branch, results, late, history_error)
+
+
+def _publish_quarantine(session: Any, request: PublishRequest) -> str | None:
+    """Publish the run's quarantine branch right after its rows; an error in words (the rows
+    are published either way: the next run of the topic finishes it, replay.finish_quarantine)."""
+    if request.quarantine is None:
+        return None
+    try:
+        replay.publish_quarantine(session, request.quarantine, request.window, request.summary)
+    except Exception as exc:
+        return (
+            f"the run's quarantine rows are not published yet ({exc}); the next run of the "
+            "topic publishes them"
+        )
+    return None
 
 
 def _attempt(

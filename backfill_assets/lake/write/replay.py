@@ -23,18 +23,29 @@ Steps, and what is atomic:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.lake.decode import avro, json_schema, protobuf
 from backfill_assets.lake.decode.parse import parse
-from backfill_assets.lake.offsets.contract import OffsetContract, window_filter
+from backfill_assets.lake.offsets.contract import OffsetContract, hours_filter, window_filter
 from backfill_assets.lake.write.read import attribute, read_contract, read_throttled
 from backfill_assets.lake.write.tables import ensure_tables
-from backfill_assets.lake.write.wap import SUMMARY_PREFIX, Branch, open_branch, ref_sql
+from backfill_assets.lake.write.wap import (
+    SUMMARY_PREFIX,
+    Branch,
+    PublishError,
+    open_branch,
+    pending_quarantine,
+    publish,
+    ref_snapshot_id,
+    ref_sql,
+)
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import faults
 from backfill_assets.stack.spark import cache_on_disk
@@ -81,6 +92,14 @@ class ReplayOutcome:
     # (Kafka's compaction or truncation removed them): checks.records_kept passes, naming the
     # loss. Never set by the sensors.
     accept_fewer_records: bool = False
+    # The run's branch of the quarantine table, holding its quarantine rows for the window,
+    # published with the rows (:func:`publish_quarantine`); None for ad-hoc outcomes.
+    quarantine_branch: Branch | None = None
+
+    @property
+    def quarantine_source(self) -> str:
+        """Where the checks read the run's quarantine rows: its branch when it has one."""
+        return self.quarantine_branch.ident if self.quarantine_branch else self.quarantine_table
 
 
 def audit_summary(contract: OffsetContract, run_id: str) -> dict[str, str]:
@@ -93,6 +112,13 @@ def audit_summary(contract: OffsetContract, run_id: str) -> dict[str, str]:
     }
     if contract.windows is not None:
         out["windows"] = contract.windows.bounds_json()
+        # The committed records of each hour, in hour order: a ledger row recovered from this
+        # summary (ledger.sync_from_history) carries them for checks.records_kept.
+        windows = contract.windows
+        out["hour-records"] = json.dumps(
+            [sum(c.records for c in windows.cells[h].values()) for h in windows.hours],
+            separators=(",", ":"),
+        )
     if contract.identity is not None:
         out["topic-id"] = contract.identity.topic_id
         out["cluster-id"] = contract.identity.cluster_id
@@ -134,9 +160,11 @@ def replay_to_branch(
     run_id: str,
     began: float | None = None,
 ) -> ReplayOutcome:
-    """Steps 2-4: read the contract's offsets, parse, write the window to a run branch (main
-    untouched); the quarantine rows are one atomic overwrite of the window's hours.
-    ``began`` (``time.monotonic()``) is when step 1 began, for the outcome's duration."""
+    """Steps 2-4: read the contract's offsets, parse, write the window's rows to a run branch
+    of the raw table and its quarantine rows to a branch of the same name of the quarantine
+    table (both mains untouched: a run that fails or is refused leaves the published
+    quarantine as it was). ``began`` (``time.monotonic()``) is when step 1 began, for the
+    outcome's duration."""
 
     began = time.monotonic() if began is None else began
     table = iceberg.spark_name(spec.raw_table)
@@ -164,18 +192,19 @@ def replay_to_branch(
     rows, quarantine, parsed = parse(spec, raw, run_id, writers)
     try:
         props = audit_summary(contract, run_id)
-        qwriter = quarantine.writeTo(qtable)
+        finish_quarantine(spark, iceberg, spec)
+        branch = open_branch(spark, table, run_id)
+        qbranch = open_branch(spark, qtable, run_id)
+        qwriter = quarantine.writeTo(qbranch.ident)
         for key, value in props.items():
             qwriter = qwriter.option(f"snapshot-property.{SUMMARY_PREFIX}{key}", value)
         qwriter.overwrite(window_filter(contract))
-
-        branch = open_branch(spark, table, run_id)
         writer = rows.writeTo(branch.ident)
         for key, value in props.items():
             writer = writer.option(f"snapshot-property.{SUMMARY_PREFIX}{key}", value)
         writer.overwrite(window_filter(contract))
         written = branch_write_stats(spark, branch)
-        faults.after_branch_write(spark, branch.ident, qtable, contract)
+        faults.after_branch_write(spark, branch.ident, qbranch.ident, contract)
     finally:
         parsed.unpersist()
         for chunk in chunks:
@@ -191,7 +220,60 @@ def replay_to_branch(
         bytes_written=written.get("added-files-size", 0),
         files_written=written.get("added-data-files", 0),
         duration_s=time.monotonic() - began,
+        quarantine_branch=qbranch,
     )
+
+
+def publish_quarantine(
+    spark: SparkSession, qbranch: Branch, window: tuple[datetime, datetime], summary: dict[str, str]
+) -> int:
+    """Put a run's quarantine rows for ``window`` (on its branch ``qbranch`` of the quarantine
+    table) on the quarantine table's main, right after its rows were published: a fast-forward
+    when main has not moved since the branch was made, else one overwrite of the window's
+    hours with the branch's rows. One commit either way; the branch is dropped. ``summary``
+    is the run's (:func:`audit_summary`). Returns main's new snapshot."""
+    if ref_snapshot_id(spark, qbranch.table, "main") == qbranch.main_before:
+        with contextlib.suppress(PublishError):  # main moved meanwhile: copy instead
+            return publish(spark, qbranch, summary, window)
+    rows = spark.table(qbranch.ident).where(hours_filter(*window))
+    writer = rows.writeTo(qbranch.table)
+    for key, value in {**summary, "published": "true"}.items():
+        writer = writer.option(f"snapshot-property.{SUMMARY_PREFIX}{key}", value)
+    writer.overwrite(hours_filter(*window))
+    _drop(spark, qbranch.table, qbranch.name)
+    published = ref_snapshot_id(spark, qbranch.table, "main")
+    assert published is not None
+    return published
+
+
+def finish_quarantine(spark: SparkSession, iceberg: CatalogClient, spec: TopicSpec) -> list[str]:
+    """Publish the quarantine of runs whose rows were published but whose quarantine was not
+    (the process died between the two commits) where that run is still the live publish of
+    every hour of its window; drop such a branch otherwise. Branches of runs not published are
+    kept (a run at work, or a failed run's evidence). Returns the runs finished."""
+    from backfill_assets.lake.offsets import ledger
+
+    qtable = iceberg.spark_name(spec.quarantine_table)
+    table = iceberg.spark_name(spec.raw_table)
+    pending = pending_quarantine(qtable, table)
+    if not pending:
+        return []
+    cat, namespace = iceberg.catalog(), iceberg.settings.catalog.namespace
+    ledger.sync_from_history(cat, namespace, table)  # the run may have died before its rows
+    cover = ledger.coverage(cat, namespace, table)
+    done = []
+    for qbranch, run_id, window, summary in pending:
+        hours = [h for h in cover if window[0] <= h < window[1]]
+        if hours and all(cover[h].run_id == run_id for h in hours):
+            publish_quarantine(spark, qbranch, window, summary)
+            done.append(run_id)
+        else:
+            _drop(spark, qtable, qbranch.name)
+    return done
+
+
+def _drop(spark: SparkSession, table: str, name: str) -> None:
+    ref_sql(spark, table, f"ALTER TABLE {table} DROP BRANCH IF EXISTS `{name}`")
 
 
 def reapply(spark: SparkSession, outcome: ReplayOutcome, attempt: int) -> Branch:

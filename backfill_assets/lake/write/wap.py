@@ -241,6 +241,47 @@ def drop_published_leftovers(spark: SparkSession, table: str) -> list[str]:
     return dropped
 
 
+def pending_quarantine(
+    qtable: str, table: str
+) -> list[tuple[Branch, str, tuple[datetime, datetime], dict[str, str]]]:
+    """The branches of quarantine table ``qtable`` whose run published its rows on ``table``'s
+    main but not its quarantine (the process died between the two commits): (branch, run id,
+    window, the run's summary without the prefix). Read by pyiceberg from the catalog."""
+    meta = _iceberg_table(table).metadata
+    main = meta.refs.get("main")
+    if main is None:
+        return []
+    head = meta.snapshot_by_id(main.snapshot_id)
+    published = {
+        s.summary[f"{SUMMARY_PREFIX}run-id"]
+        for s in ancestors_of(head, meta)
+        if s.summary is not None and s.summary[f"{SUMMARY_PREFIX}published"] == "true"
+    }
+    qmeta = _iceberg_table(qtable).metadata
+    qmain = qmeta.refs.get("main")
+    out = []
+    for name, ref in qmeta.refs.items():
+        if name == "main" or ref.snapshot_ref_type != SnapshotRefType.BRANCH:
+            continue
+        snap = qmeta.snapshot_by_id(ref.snapshot_id)
+        props = dict(snap.summary.additional_properties) if snap and snap.summary else {}
+        run_id = props.get(f"{SUMMARY_PREFIX}run-id")
+        start_s, _, end_s = (props.get(f"{SUMMARY_PREFIX}window") or "").partition("/")
+        if run_id is None or run_id not in published or not end_s:
+            continue
+        if not name.startswith(branch_name(run_id)):
+            continue
+        summary = {
+            k.removeprefix(SUMMARY_PREFIX): v
+            for k, v in props.items()
+            if k.startswith(SUMMARY_PREFIX) and k != f"{SUMMARY_PREFIX}published"
+        }
+        window = (datetime.fromisoformat(start_s), datetime.fromisoformat(end_s))
+        before = qmain.snapshot_id if qmain is not None else None
+        out.append((Branch(qtable, name, before), run_id, window, summary))
+    return out
+
+
 def ref_snapshot_id(spark: SparkSession, table: str, ref: str) -> int | None:
     """The snapshot ``ref`` of ``table`` points at now (None if there is no such ref), from
     the table's current metadata in the catalog (read by pyiceberg: no Spark planning, which

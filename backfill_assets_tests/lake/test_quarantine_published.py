@@ -1,0 +1,180 @@
+"""Quarantine is published with its data (issue 51 item 5).
+
+A run's quarantine rows are written on its own branch of the quarantine table and published
+right after its rows: a re-run that fails its checks leaves the published quarantine as it
+was, a rollback takes it back with the rows, and no offset is ever both a row of the raw
+table's main and a row of the quarantine's main.
+
+The re-runs quarantine more because the operator tightened the spec (``amount_minor``'s max),
+as a team does when a contract changes. Real broker, Spark, catalog and Dagster.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+import dagster as dg
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+from backfill_assets.defs.assets import build_raw_asset
+from backfill_assets.defs.definitions import SPECS
+from backfill_assets.lake.operations import rollback
+from backfill_assets.spec.declared import renamed
+from backfill_assets.spec.model import TopicSpec
+from backfill_assets.stack import catalog
+from backfill_assets.stack.catalog import CatalogClient
+from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support.runs import materialize_range
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+START = datetime(2026, 7, 12, tzinfo=UTC)
+EVENTS = 60  # amounts 100, 200, ..., 6000
+
+
+def _order(i: int) -> bytes:
+    return json.dumps(
+        {
+            "schema_version": 2,
+            "event_id": f"e{i}",
+            "order_id": f"o{i}",
+            "customer_id": "c-00001",
+            "event_type": "created",
+            "amount_minor": 100 * (i + 1),
+            "currency": "EUR",
+            "status": "open",
+            "event_time": int((START + timedelta(minutes=i % 60)).timestamp()) * 1000,
+            "channel": "web",
+        }
+    ).encode()
+
+
+def _produce(settings: Settings, topic: str) -> None:
+    config = settings.kafka.client_config()
+    admin = AdminClient(config)  # kept until the future is done: a dropped client cancels it
+    admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(30)
+    producer = Producer(config)
+    stamp = int(START.timestamp() * 1000)
+    for i in range(EVENTS):
+        producer.produce(topic, key=f"o{i}".encode(), value=_order(i), timestamp=stamp + i * 1000)
+    producer.produce(topic, key=b"o-bad", value=b'{"event_id": "cut', timestamp=stamp + 61_000)
+    # A record of the next hour seals hour 0.
+    producer.produce(topic, key=b"o-next", value=_order(0), timestamp=stamp + 3_700_000)
+    assert producer.flush(30) == 0
+
+
+def _with_max(spec: TopicSpec, highest: int) -> TopicSpec:
+    columns = [
+        c.model_copy(update={"max": highest}) if c.name == "amount_minor" else c
+        for c in spec.columns
+    ]
+    return spec.model_copy(update={"columns": tuple(columns)})
+
+
+def _offsets(spark: SparkSession, table: str) -> set[int]:
+    hour = int(START.timestamp() * 1000)
+    rows = spark.sql(
+        f"SELECT kafka_offset FROM {table} WHERE unix_millis(kafka_hour) = {hour}"
+    ).collect()
+    return {int(r[0]) for r in rows}
+
+
+def _run(spec: TopicSpec, instance: dg.DagsterInstance) -> Any:
+    return materialize_range(
+        [build_raw_asset(spec)], instance, START, START + timedelta(hours=1), raise_on_error=False
+    )
+
+
+def test_quarantine_is_published_with_the_rows_and_rolled_back_with_them(
+    stack_settings: Settings, spark_session: SparkSession
+) -> None:
+    topic = f"orders_{uuid.uuid4().hex[:8]}"
+    _produce(stack_settings, topic)
+    spec = renamed(SPECS[0], topic=topic, partition_start=START)
+    iceberg = CatalogClient()
+    raw, quarantine = iceberg.spark_name(spec.raw_table), iceberg.spark_name(spec.quarantine_table)
+    spark = spark_session
+
+    def state() -> tuple[set[int], set[int]]:
+        spark.sql(f"REFRESH TABLE {raw}")
+        spark.sql(f"REFRESH TABLE {quarantine}")
+        rows, held = _offsets(spark, raw), _offsets(spark, quarantine)
+        assert not rows & held, f"offsets both a row and quarantined on main: {rows & held}"
+        return rows, held
+
+    with dg.instance_for_test() as instance:
+        first = _run(spec, instance)
+        assert first.success
+        published = state()
+        assert published == (set(range(EVENTS)), {EVENTS})  # the cut record is quarantined
+
+        # The contract tightened so that 31 of 61 records break it: the quarantine ratio check
+        # fails the run. Its quarantine rows stay on its branch; main's are as published.
+        failed = _run(_with_max(spec, 2_900), instance)
+        assert not failed.success
+        checks = {e.check_name: e.passed for e in failed.get_asset_check_evaluations()}
+        assert checks["quarantine_ratio"] is False
+        assert state() == published
+
+        # Tightened less (2 more quarantined, within the ratio): published with its rows.
+        second = _run(_with_max(spec, 5_800), instance)
+        assert second.success
+        assert state() == (set(range(EVENTS - 2)), {EVENTS - 2, EVENTS - 1, EVENTS})
+
+    # Rolling the second run back takes its quarantine back with its rows.
+    ns = stack_settings.catalog.namespace
+    rollback.rollback(
+        catalog.load(stack_settings.catalog),
+        ns,
+        run_id=second.run_id,
+        table_name=raw,
+        specs=[spec],
+    )
+    assert state() == published
+
+
+def test_a_quarantine_left_unpublished_is_published_by_the_next_run(
+    stack_settings: Settings, spark_session: SparkSession, monkeypatch: Any
+) -> None:
+    """A run whose rows were published but whose quarantine was not (its process died between
+    the two commits; here the quarantine publish fails, which leaves the same state) has its
+    quarantine published by the topic's next run, before that run writes its own."""
+    from backfill_assets.lake.write import replay
+
+    topic = f"orders_{uuid.uuid4().hex[:8]}"
+    _produce(stack_settings, topic)
+    spec = renamed(SPECS[0], topic=topic, partition_start=START)
+    iceberg = CatalogClient()
+    quarantine = iceberg.spark_name(spec.quarantine_table)
+    real = replay.publish_quarantine
+
+    def dies(*_args: Any) -> int:
+        raise RuntimeError("the process died here")
+
+    with dg.instance_for_test() as instance:
+        monkeypatch.setattr(replay, "publish_quarantine", dies)
+        first = _run(spec, instance)
+        assert first.success  # its rows are published
+        spark_session.sql(f"REFRESH TABLE {quarantine}")
+        assert _offsets(spark_session, quarantine) == set()
+        refs = {r[0] for r in spark_session.sql(f"SELECT name FROM {quarantine}.refs").collect()}
+        assert len(refs - {"main"}) == 1, refs  # the run's quarantine branch waits
+
+        monkeypatch.setattr(replay, "publish_quarantine", real)
+        later = materialize_range(
+            [build_raw_asset(spec)],
+            instance,
+            START + timedelta(hours=1),
+            START + timedelta(hours=2),
+            raise_on_error=False,
+        )
+        assert later.success
+    spark_session.sql(f"REFRESH TABLE {quarantine}")
+    assert _offsets(spark_session, quarantine) == {EVENTS}
+    refs = {r[0] for r in spark_session.sql(f"SELECT name FROM {quarantine}.refs").collect()}
+    assert refs == {"main"}
