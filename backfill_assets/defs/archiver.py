@@ -17,11 +17,11 @@ from backfill_assets.stack.settings import Settings
 
 
 def archive_asset_key(spec: TopicSpec) -> dg.AssetKey:
-    return dg.AssetKey(["archive", spec.topic])
+    return dg.AssetKey(["archive", spec.name])
 
 
 def archive_schedule_name(spec: TopicSpec) -> str:
-    return f"{spec.topic}_archive_hourly"
+    return f"{spec.name}_archive_hourly"
 
 
 def build_archive_asset(spec: TopicSpec) -> dg.AssetsDefinition:

@@ -32,7 +32,7 @@ POOL = "backfill"
 
 
 def raw_asset_key(spec: TopicSpec) -> dg.AssetKey:
-    return dg.AssetKey(["raw", spec.topic])
+    return dg.AssetKey(["raw", spec.name])
 
 
 def table_asset_key(name: str) -> dg.AssetKey:
@@ -47,7 +47,7 @@ def current_asset_key(spec: TopicSpec) -> dg.AssetKey:
 def relation_asset_key(rel: declared.Relation) -> dg.AssetKey:
     """The asset a relation a declared table reads comes from."""
     if rel.kind == "events":
-        return dg.AssetKey(["raw", rel.topic])
+        return dg.AssetKey(["raw", rel.name])
     return table_asset_key(rel.name)
 
 

@@ -76,11 +76,11 @@ _HISTORY_RUNS = 1000
 
 
 def gap_sensor_name(spec: TopicSpec) -> str:
-    return f"{spec.topic}_offset_gaps"
+    return f"{spec.name}_offset_gaps"
 
 
 def late_sensor_name(spec: TopicSpec) -> str:
-    return f"{spec.topic}_late_data"
+    return f"{spec.name}_late_data"
 
 
 def _default_status() -> dg.DefaultSensorStatus:
@@ -242,7 +242,7 @@ def build_late_data_sensor(
     *,
     retry_backoff: timedelta = RETRY_BACKOFF,
 ) -> dg.SensorDefinition:
-    tables = [table_asset_key(t.name) for t in spec.tables if spec.topic in t.refs]
+    tables = [table_asset_key(t.name) for t in spec.tables if spec.name in t.refs]
 
     @dg.sensor(
         name=late_sensor_name(spec),

@@ -23,11 +23,11 @@ OBSERVE_INTERVAL_S = 300
 
 
 def topic_asset_key(spec: TopicSpec) -> dg.AssetKey:
-    return dg.AssetKey(["kafka", spec.topic])
+    return dg.AssetKey(["kafka", spec.name])
 
 
 def observer_name(spec: TopicSpec) -> str:
-    return f"{spec.topic}_observe_topic"
+    return f"{spec.name}_observe_topic"
 
 
 def topic_asset(spec: TopicSpec) -> dg.AssetSpec:

@@ -71,8 +71,8 @@ def relations(specs: list[TopicSpec]) -> dict[str, Relation]:
     out: dict[str, Relation] = {}
     for spec in specs:
         cols = tuple((c.name, c.type) for c in spec.columns)
-        out[spec.topic] = Relation(
-            spec.topic, "events", spec.topic, cols + EVENT_META_COLUMNS, spec.event_time_field
+        out[spec.name] = Relation(
+            spec.name, "events", spec.topic, cols + EVENT_META_COLUMNS, spec.event_time_field
         )
         out[spec.current_table] = Relation(
             spec.current_table, "current", spec.topic, cols + CURRENT_META_COLUMNS, None
@@ -155,7 +155,7 @@ def downstream(specs: list[TopicSpec], names: set[str]) -> list[TableSpec]:
 def _check_names(specs: list[TopicSpec], path: Path) -> None:
     taken: dict[str, str] = {}
     for spec in specs:
-        for name in (spec.topic, spec.current_table, spec.raw_table, spec.quarantine_table):
+        for name in (spec.name, spec.current_table, spec.raw_table, spec.quarantine_table):
             taken[name] = f"topic {spec.topic!r}"
     for spec in specs:
         for table in spec.tables:
@@ -177,7 +177,7 @@ def _check_current(spec: TopicSpec, known: dict[str, Relation], path: Path) -> N
         )
     if rule.deleted_when is not None:
         _qualify(
-            f"SELECT 1 AS x FROM {spec.topic} WHERE {rule.deleted_when}",
+            f"SELECT 1 AS x FROM {spec.name} WHERE {rule.deleted_when}",
             known,
             f"{where}: deleted_when",
         )
@@ -418,27 +418,31 @@ def _first(err: Exception) -> str:
 
 
 def renamed(spec: TopicSpec, topic: str, **changes: Any) -> TopicSpec:
-    """``spec`` for another topic name, its declared tables renamed with it (``orders_hourly``
-    of ``orders`` becomes ``<topic>_hourly``) and their SQL reading the renamed relations;
-    ``changes`` replace other fields. For tests and benchmarks that need a fresh topic."""
+    """``spec`` for another topic name (its identifier derived from it unless ``changes`` set
+    ``name``), its declared tables renamed with it (``orders_hourly`` of ``orders`` becomes
+    ``<name>_hourly``) and their SQL reading the renamed relations; ``changes`` replace other
+    fields. For tests and benchmarks that need a fresh topic."""
     from sqlglot import exp
+
+    from backfill_assets.spec.model import identifier_of
 
     unknown = sorted(set(changes) - set(TopicSpec.model_fields))
     if unknown:
         raise TypeError(f"renamed(): TopicSpec has no field(s) {unknown}")
-    old = spec.topic
+    old = spec.name
+    ident = str(changes.pop("name", None) or identifier_of(topic))
 
     def new_name(name: str) -> str:
-        return topic + name[len(old) :] if name.startswith(old) else f"{topic}__{name}"
+        return ident + name[len(old) :] if name.startswith(old) else f"{ident}__{name}"
 
-    names = {old: topic, spec.current_table: f"{topic}_current"}
+    names = {old: ident, spec.current_table: f"{ident}_current"}
     names.update({t.name: new_name(t.name) for t in spec.tables})
     marks = {f"{{{p}}}": f"__window_{p}__" for p in WINDOW_PARAMS}
 
     def rewrite(sql: str) -> str:
         for param, mark in marks.items():
             sql = sql.replace(param, mark)
-        query = _parse(sql, f"topic {old!r}")
+        query = _parse(sql, f"topic {spec.topic!r}")
         for node in query.find_all(exp.Table):
             if not node.db and node.name in names:
                 node.set("this", exp.to_identifier(names[node.name]))
@@ -459,4 +463,4 @@ def renamed(spec: TopicSpec, topic: str, **changes: Any) -> TopicSpec:
         )
         for t in spec.tables
     )
-    return spec.model_copy(update={"topic": topic, "tables": tables, **changes})
+    return spec.model_copy(update={"topic": topic, "name": ident, "tables": tables, **changes})

@@ -72,6 +72,7 @@ def load_specs(path: Path | None = None) -> list[TopicSpec]:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise SpecError(f"{path}: topic(s) listed twice: {', '.join(dupes)}")
+    _check_identifiers(specs, path)
     return declared.validate(specs, path)
 
 
@@ -137,3 +138,17 @@ def _child(raw: Any, part: Any) -> Any:
     if isinstance(raw, list) and isinstance(part, int) and 0 <= part < len(raw):
         return raw[part]
     return None
+
+
+def _check_identifiers(specs: list[TopicSpec], path: Path) -> None:
+    """Two topics whose identifiers (``name``) collide would share tables, assets and
+    sensors: refused, naming both."""
+    seen: dict[str, str] = {}
+    for spec in specs:
+        other = seen.setdefault(spec.name, spec.topic)
+        if other != spec.topic:
+            raise SpecError(
+                f"{path}: topics {other!r} and {spec.topic!r} both name their tables, assets "
+                f"and sensors {spec.name!r}; set `name:` (an identifier: a-z, 0-9, _) on one "
+                "of them"
+            )

@@ -11,6 +11,7 @@ problem. Nothing here starts Spark.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import re
 from collections.abc import Callable, Mapping
@@ -260,10 +261,39 @@ def _binary_fields(spec: TopicSpec) -> None:
             )
 
 
+# Kafka's own rule for a topic name (kafka.common.internals.Topic): at most 249 characters.
+KAFKA_TOPIC = re.compile(r"[a-zA-Z0-9._-]{1,249}")
+# A topic's identifier (``TopicSpec.name``): it must leave room for the longest table name
+# built from it ("<name>_quarantine") in a JDBC catalog's 255-character table-name column.
+IDENTIFIER_MAX = 200
+IDENTIFIER = re.compile(rf"[a-z_][a-z0-9_]{{0,{IDENTIFIER_MAX - 1}}}")
+IDENTIFIER_RULE = f"a-z, 0-9 and _, not starting with a digit, at most {IDENTIFIER_MAX} characters"
+
+
+def identifier_of(topic: str) -> str:
+    """The default identifier of a Kafka topic name: lower case, every character other than
+    a-z, 0-9 and _ replaced by _, prefixed with ``t_`` if it would start with a digit; a
+    result longer than :data:`IDENTIFIER_MAX` keeps its head and ends with ``_`` and 8 hex
+    digits of the name's SHA-256. ``shop.Orders-v1`` -> ``shop_orders_v1``;
+    ``dbz.public.customers`` -> ``dbz_public_customers``; ``1st`` -> ``t_1st``."""
+    name = re.sub(r"[^a-z0-9_]", "_", topic.lower())
+    if not name or name[0].isdigit():
+        name = f"t_{name}"
+    if len(name) > IDENTIFIER_MAX:
+        digest = hashlib.sha256(topic.encode()).hexdigest()[:8]
+        name = f"{name[: IDENTIFIER_MAX - 9]}_{digest}"
+    return name
+
+
 class TopicSpec(_Spec):
     """A Kafka topic: how to read its records, its current state and its declared tables."""
 
-    topic: str = Field(description="the Kafka topic (and the prefix of its tables)")
+    topic: str = Field(description="the Kafka topic, any legal Kafka name (Kafka is read by it)")
+    name: str = Field(
+        default="",
+        description="the identifier that names the topic's tables, assets and sensors and its "
+        "relation in declared tables' SQL; default: derived from the topic (identifier_of)",
+    )
     format: Literal["json", "avro", "json_schema", "protobuf"] = Field(
         description="the record values' encoding: json; avro (Confluent's wire format: "
         "magic byte 0, the registry's 4-byte schema id, Avro binary); json_schema (the same "
@@ -313,8 +343,11 @@ class TopicSpec(_Spec):
     def _defaults(cls, data: Any, context: Mapping[str, Any]) -> Any:
         if not isinstance(data, dict):
             return data
+        topic = data.get("topic")
+        name = data.get("name") or (identifier_of(topic) if isinstance(topic, str) else None)
         data = {
             **data,
+            **({"name": name} if name is not None else {}),
             "upcasters": data.get("upcasters") or {},
             "decoders": data.get("decoders") or {},
         }
@@ -327,7 +360,7 @@ class TopicSpec(_Spec):
             data["current"] = {**rule, **(data.get("current") or {})}
         lateness = data.get("allowed_lateness_hours")
         inherited = {
-            "source": data.get("topic"),
+            "source": name,
             # A wrong topic-level value is reported once, on the topic.
             "lateness_hours": lateness if type(lateness) is int and lateness >= 0 else 0,
         }
@@ -338,15 +371,23 @@ class TopicSpec(_Spec):
 
     @field_validator("topic")
     @classmethod
-    def _identifier(cls, value: str) -> str:
-        # The name prefixes the topic's Iceberg tables and names its Dagster assets and
-        # sensors, which accept only letters, digits and underscores.
-        if not re.fullmatch(r"[a-z_][a-z0-9_]*", value):
+    def _kafka_name(cls, value: str) -> str:
+        if not KAFKA_TOPIC.fullmatch(value) or value in {".", ".."}:
             raise ValueError(
-                f"{value!r} is not supported: a topic's name must be a lower-case identifier "
-                "(a-z, 0-9, _; not starting with a digit), since it names the topic's tables, "
-                "assets and sensors; a topic named with '-', '.' or capitals must be mirrored "
-                "to such a name first"
+                f"{value!r} is not a legal Kafka topic name: 1 to 249 of a-z, A-Z, 0-9, '.', "
+                "'_', '-' (and not '.' or '..')"
+            )
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _identifier(cls, value: str) -> str:
+        # It prefixes the topic's Iceberg tables and names its Dagster assets and sensors,
+        # which accept only letters, digits and underscores.
+        if not IDENTIFIER.fullmatch(value):
+            raise ValueError(
+                f"{value!r} is not an identifier: {IDENTIFIER_RULE} (it names the topic's "
+                "tables, assets and sensors)"
             )
         return value
 
@@ -413,15 +454,15 @@ class TopicSpec(_Spec):
 
     @property
     def raw_table(self) -> str:
-        return f"raw_{self.topic}"
+        return f"raw_{self.name}"
 
     @property
     def quarantine_table(self) -> str:
-        return f"{self.topic}_quarantine"
+        return f"{self.name}_quarantine"
 
     @property
     def current_table(self) -> str:
-        return f"{self.topic}_current"
+        return f"{self.name}_current"
 
     @property
     def current_rule(self) -> CurrentSpec:

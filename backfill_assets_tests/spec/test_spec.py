@@ -3,6 +3,7 @@ the field path, say what was wrong and what is allowed (one line per problem).""
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,7 +20,7 @@ from backfill_assets.spec.model import SPEC_PATH, SpecError, TableSpec, TopicSpe
 TOPIC_FIELDS = (
     "['allowed_lateness_hours', 'columns', 'current', 'decoders', 'event_id_field', "
     "'event_time_field', 'format', 'key_field', 'latest_version', 'max_record_bytes', 'message', "
-    "'partition_start', 'quarantine_max_ratio', 'subject', 'tables', 'topic', 'upcasters', "
+    "'name', 'partition_start', 'quarantine_max_ratio', 'subject', 'tables', 'topic', 'upcasters', "
     "'version_field']"
 )
 TABLE_FIELDS = (
@@ -235,12 +236,53 @@ def test_bad_table_fields_are_named(
     assert message in error
 
 
-@pytest.mark.parametrize("topic", ["orders-v1", "shop.orders", "Orders", "1orders"])
-def test_a_topic_name_that_cannot_name_tables_and_sensors_is_refused(
-    tmp_path: Path, topic: str
+@pytest.mark.parametrize(
+    ("topic", "name"),
+    [
+        ("orders-v1", "orders_v1"),
+        ("shop.Orders.v1", "shop_orders_v1"),
+        ("1orders", "t_1orders"),
+        ("dbz.public.customers", "dbz_public_customers"),
+        ("A" * 249, "a" * 191 + "_" + hashlib.sha256(b"A" * 249).hexdigest()[:8]),
+    ],
+)
+def test_any_legal_kafka_topic_name_gets_an_identifier(
+    tmp_path: Path, topic: str, name: str
 ) -> None:
-    error = _error(_write(tmp_path, {"topic": topic}))
-    assert f"topic: {topic!r} is not supported: a topic's name must be a lower-case" in error
+    """Kafka is read by the real name; tables, assets and sensors by the derived identifier
+    (documented in docs/how-it-works.md), which leaves room for "<name>_quarantine" in a JDBC
+    catalog's 255-character table names."""
+    (spec,) = load_specs(_write(tmp_path, {"topic": topic, "tables": None}))
+    assert (spec.topic, spec.name) == (topic, name)
+    assert spec.raw_table == f"raw_{name}" and spec.current_table == f"{name}_current"
+    assert len(spec.quarantine_table) <= 255 - len("raw_")
+
+
+def test_an_explicit_name_keeps_the_declared_tables_sql(tmp_path: Path) -> None:
+    (spec,) = load_specs(_write(tmp_path, {"topic": "shop.orders.v1", "name": "orders"}))
+    assert (spec.topic, spec.name, spec.raw_table) == ("shop.orders.v1", "orders", "raw_orders")
+    assert [t.source for t in spec.tables] == ["orders", "orders"]
+
+
+def test_topics_whose_identifiers_collide_are_refused_naming_both(tmp_path: Path) -> None:
+    doc = yaml.safe_load(SPEC_PATH.read_text())
+    first = {**doc["topics"][0], "topic": "shop.orders"}
+    first.pop("tables")
+    doc["topics"] = [first, {**first, "topic": "shop-orders"}]
+    error = _error(_save(tmp_path, doc))
+    assert "topics 'shop.orders' and 'shop-orders' both name their tables, assets and " in error
+    assert "sensors 'shop_orders'; set `name:`" in error
+
+
+@pytest.mark.parametrize("topic", ["orders/v1", "ordres v1", "a" * 250, ".", ".."])
+def test_an_illegal_kafka_topic_name_is_refused(tmp_path: Path, topic: str) -> None:
+    error = _error(_write(tmp_path, {"topic": topic, "tables": None}))
+    assert f"{topic!r} is not a legal Kafka topic name" in error
+
+
+def test_a_name_that_is_not_an_identifier_is_refused(tmp_path: Path) -> None:
+    error = _error(_write(tmp_path, {"topic": "shop.orders", "name": "Shop-Orders"}))
+    assert "name: 'Shop-Orders' is not an identifier: a-z, 0-9 and _" in error
 
 
 def test_bad_table_name_is_named(tmp_path: Path) -> None:

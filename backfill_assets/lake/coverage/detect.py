@@ -465,9 +465,11 @@ def find(
 
     logs: dict[str, ledger.Log] = {}
 
+    raw_tables = {s.topic: s.raw_table for s in every}
+
     def raw_of(topic: str) -> dict[datetime, ledger.Entry]:
         if topic not in raw_coverage:
-            raw = f"{catalog.name}.{namespace}.raw_{topic}"
+            raw = f"{catalog.name}.{namespace}.{raw_tables[topic]}"
             raw_coverage[topic], logs[topic] = ledger.log_coverage(catalog, namespace, raw)
         return raw_coverage[topic]
 
@@ -597,7 +599,7 @@ def _due(
             if any(d > last_closed - HOUR for d in deps):
                 wait = True
                 break
-            dep_table = f"raw_{rel.topic}" if rel.kind == "events" else rel.name
+            dep_table = f"raw_{rel.name}" if rel.kind == "events" else rel.name
             pubs = covered(dep_table)
             has_records = expected(rel.topic)
             if any(d in has_records and d not in pubs for d in deps):
@@ -635,7 +637,7 @@ def late_event_hours(
     hour touches comes from the ledger (``Entry.event_hours``, ``Entry.superseded_hours``, the
     replay's own figures), so a tick reads ledger rows, never table rows, and costs the same
     whatever the tables hold."""
-    readers = [t for t in spec.tables if spec.topic in t.refs]
+    readers = [t for t in spec.tables if spec.name in t.refs]
     out: dict[str, dict[datetime, str]] = {}
     if not readers:
         return out

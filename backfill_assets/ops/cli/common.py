@@ -124,10 +124,14 @@ def specs() -> dict[str, TopicSpec]:
 
 
 def spec(topic: str) -> TopicSpec:
+    """The spec of the Kafka topic ``topic`` (or of the topic whose identifier it is)."""
     found = specs()
-    if topic not in found:
-        raise ArgumentError(f"unknown topic {topic!r}; topics.yaml has: {', '.join(found)}")
-    return found[topic]
+    if topic in found:
+        return found[topic]
+    named = [s for s in found.values() if s.name == topic]
+    if named:
+        return named[0]
+    raise ArgumentError(f"unknown topic {topic!r}; topics.yaml has: {', '.join(found)}")
 
 
 def kafka() -> KafkaClient:

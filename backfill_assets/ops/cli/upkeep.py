@@ -220,7 +220,7 @@ def _rebuild(spec: TopicSpec, table: str, hour: str) -> str:
     """What rebuilds one hour of a declared table now (the sensors do it by themselves)."""
     key = f"{datetime.fromisoformat(hour):%Y-%m-%d-%H:%M}"
     return (
-        f"the gap sensor {spec.topic}_offset_gaps rebuilds it, or run: dagster asset "
+        f"the gap sensor {spec.name}_offset_gaps rebuilds it, or run: dagster asset "
         f"materialize -m backfill_assets.defs.definitions --select 'lakehouse/{table}' "
         f"--partition '{key}'"
     )
@@ -281,7 +281,7 @@ def _gaps_table(spec: TopicSpec, doc: dict[str, Any]) -> output.Table:
                 kind,
                 name,
                 f"{g['start']} .. {g['end']}",
-                f"{what}; the gap sensor {spec.topic}_offset_gaps requests it, or run: {g['fill']}",
+                f"{what}; the gap sensor {spec.name}_offset_gaps requests it, or run: {g['fill']}",
             )
     for kind, per_table in (
         ("table due", doc["tables_due"]),
