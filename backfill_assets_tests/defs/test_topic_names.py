@@ -15,7 +15,6 @@ from pathlib import Path
 import dagster as dg
 import pytest
 import yaml
-from click.testing import CliRunner
 
 from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.defs.definitions import RESOURCES, SPECS
@@ -59,7 +58,10 @@ def _h(hour: int) -> str:
 
 
 def test_a_dotted_hyphenated_capitalised_topic_works_end_to_end(
-    stack_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    stack_settings: Settings,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     suffix = uuid.uuid4().hex[:8]
     topic = f"Shop.Orders-{suffix}.v1"
@@ -73,7 +75,7 @@ def test_a_dotted_hyphenated_capitalised_topic_works_end_to_end(
     )
     assert truth.kafka_hours, "the generator wrote records"
     assets = build_topic_assets(spec)
-    raw, current = f"raw/{name}", f"{name}_current"
+    raw, current = f"raw/{name}", f"lakehouse/{name}_current"
     sensor = build_gap_sensor(spec)
 
     with dg.instance_for_test() as instance:
@@ -106,9 +108,10 @@ def test_a_dotted_hyphenated_capitalised_topic_works_end_to_end(
     path = tmp_path / "topics.yaml"
     path.write_text(yaml.safe_dump({"topics": [entry]}))
     monkeypatch.setenv("BACKFILL_SPEC", str(path))
-    result = CliRunner().invoke(cli.cli, ["gaps", "--topic", topic, "--json"])
-    assert result.exit_code == 1, result.output  # 1: something is due
-    found = json.loads(result.output)
+    code = cli.main(["gaps", "--topic", topic, "--json"])
+    out = capsys.readouterr().out
+    assert code == 1, out  # 1: something is due
+    found = json.loads(out)
     assert found["topic"] == topic
     assert found["raw_gaps"][0]["start"] == START.isoformat()
     assert f"--topic {topic} " in found["raw_gaps"][0]["fill"]
