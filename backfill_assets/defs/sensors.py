@@ -242,7 +242,8 @@ def build_late_data_sensor(
     *,
     retry_backoff: timedelta = RETRY_BACKOFF,
 ) -> dg.SensorDefinition:
-    tables = [table_asset_key(t.name) for t in spec.tables if spec.name in t.refs]
+    # Every table reading the topic's events, wherever it is declared.
+    tables = [table_asset_key(t.name) for t in detect.late_readers(spec, specs)]
 
     @dg.sensor(
         name=late_sensor_name(spec),
@@ -258,7 +259,7 @@ def build_late_data_sensor(
         context: dg.SensorEvaluationContext, iceberg: IcebergResource
     ) -> dg.SensorResult | dg.SkipReason:
         cat, ns = iceberg.catalog(), iceberg.settings.catalog.namespace
-        due = detect.late_event_hours(cat, ns, spec)
+        due = detect.late_event_hours(cat, ns, spec, specs=specs)
         state = ledger.generation(cat, ns)
         return _requests(
             context, late_sensor_name(spec), _merged("late", due), state, None, retry_backoff

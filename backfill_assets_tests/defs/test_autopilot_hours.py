@@ -312,6 +312,8 @@ def test_outage_hour_gets_its_late_events(make_world: Callable[[], World]) -> No
     _assert_truth(world)
 
 
+# Long (about 35 s): in the slow tier, which CI runs, to keep the default tier under 15 min.
+@pytest.mark.slow
 def test_correction_moving_an_event_invalidates_both_hours(
     make_world: Callable[[], World],
 ) -> None:

@@ -11,14 +11,11 @@ as a team does when a contract changes. Real broker, Spark, catalog and Dagster.
 
 from __future__ import annotations
 
-import json
 import uuid
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
-from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import SPECS
@@ -28,56 +25,15 @@ from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import catalog
 from backfill_assets.stack.catalog import CatalogClient
 from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support import small_topic
 from backfill_assets_tests.support.runs import materialize_range
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-START = datetime(2026, 7, 12, tzinfo=UTC)
-EVENTS = 60  # amounts 100, 200, ..., 6000
-
-
-def _order(i: int) -> bytes:
-    return json.dumps(
-        {
-            "schema_version": 2,
-            "event_id": f"e{i}",
-            "order_id": f"o{i}",
-            "customer_id": "c-00001",
-            "event_type": "created",
-            "amount_minor": 100 * (i + 1),
-            "currency": "EUR",
-            "status": "open",
-            "event_time": int((START + timedelta(minutes=i % 60)).timestamp()) * 1000,
-            "channel": "web",
-        }
-    ).encode()
-
-
-def _produce(settings: Settings, topic: str) -> None:
-    config = settings.kafka.client_config()
-    admin = AdminClient(config)  # kept until the future is done: a dropped client cancels it
-    admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(30)
-    producer = Producer(config)
-    stamp = int(START.timestamp() * 1000)
-    for i in range(EVENTS):
-        producer.produce(topic, key=f"o{i}".encode(), value=_order(i), timestamp=stamp + i * 1000)
-    producer.produce(topic, key=b"o-bad", value=b'{"event_id": "cut', timestamp=stamp + 61_000)
-    # A record of the next hour seals hour 0.
-    producer.produce(topic, key=b"o-next", value=_order(0), timestamp=stamp + 3_700_000)
-    assert producer.flush(30) == 0
-
-
-def _with_max(spec: TopicSpec, highest: int) -> TopicSpec:
-    columns = [
-        c.model_copy(update={"max": highest}) if c.name == "amount_minor" else c
-        for c in spec.columns
-    ]
-    return spec.model_copy(update={"columns": tuple(columns)})
-
 
 def _offsets(spark: SparkSession, table: str) -> set[int]:
-    hour = int(START.timestamp() * 1000)
+    hour = int(small_topic.START.timestamp() * 1000)
     rows = spark.sql(
         f"SELECT kafka_offset FROM {table} WHERE unix_millis(kafka_hour) = {hour}"
     ).collect()
@@ -86,7 +42,11 @@ def _offsets(spark: SparkSession, table: str) -> set[int]:
 
 def _run(spec: TopicSpec, instance: dg.DagsterInstance) -> Any:
     return materialize_range(
-        [build_raw_asset(spec)], instance, START, START + timedelta(hours=1), raise_on_error=False
+        [build_raw_asset(spec)],
+        instance,
+        small_topic.START,
+        small_topic.START + timedelta(hours=1),
+        raise_on_error=False,
     )
 
 
@@ -94,8 +54,8 @@ def test_quarantine_is_published_with_the_rows_and_rolled_back_with_them(
     stack_settings: Settings, spark_session: SparkSession
 ) -> None:
     topic = f"orders_{uuid.uuid4().hex[:8]}"
-    _produce(stack_settings, topic)
-    spec = renamed(SPECS[0], topic=topic, partition_start=START)
+    small_topic.produce(stack_settings, topic)
+    spec = renamed(SPECS[0], topic=topic, partition_start=small_topic.START)
     iceberg = CatalogClient()
     raw, quarantine = iceberg.spark_name(spec.raw_table), iceberg.spark_name(spec.quarantine_table)
     spark = spark_session
@@ -111,20 +71,26 @@ def test_quarantine_is_published_with_the_rows_and_rolled_back_with_them(
         first = _run(spec, instance)
         assert first.success
         published = state()
-        assert published == (set(range(EVENTS)), {EVENTS})  # the cut record is quarantined
+        assert published == (
+            set(range(small_topic.EVENTS)),
+            {small_topic.EVENTS},
+        )  # the cut record is quarantined
 
         # The contract tightened so that 31 of 61 records break it: the quarantine ratio check
         # fails the run. Its quarantine rows stay on its branch; main's are as published.
-        failed = _run(_with_max(spec, 2_900), instance)
+        failed = _run(small_topic.with_max(spec, 2_900), instance)
         assert not failed.success
         checks = {e.check_name: e.passed for e in failed.get_asset_check_evaluations()}
         assert checks["quarantine_ratio"] is False
         assert state() == published
 
         # Tightened less (2 more quarantined, within the ratio): published with its rows.
-        second = _run(_with_max(spec, 5_800), instance)
+        second = _run(small_topic.with_max(spec, 5_800), instance)
         assert second.success
-        assert state() == (set(range(EVENTS - 2)), {EVENTS - 2, EVENTS - 1, EVENTS})
+        assert state() == (
+            set(range(small_topic.EVENTS - 2)),
+            {small_topic.EVENTS - 2, small_topic.EVENTS - 1, small_topic.EVENTS},
+        )
 
     # Rolling the second run back takes its quarantine back with its rows.
     ns = stack_settings.catalog.namespace
@@ -147,8 +113,8 @@ def test_a_quarantine_left_unpublished_is_published_by_the_next_run(
     from backfill_assets.lake.write import replay
 
     topic = f"orders_{uuid.uuid4().hex[:8]}"
-    _produce(stack_settings, topic)
-    spec = renamed(SPECS[0], topic=topic, partition_start=START)
+    small_topic.produce(stack_settings, topic)
+    spec = renamed(SPECS[0], topic=topic, partition_start=small_topic.START)
     iceberg = CatalogClient()
     quarantine = iceberg.spark_name(spec.quarantine_table)
     real = replay.publish_quarantine
@@ -169,12 +135,12 @@ def test_a_quarantine_left_unpublished_is_published_by_the_next_run(
         later = materialize_range(
             [build_raw_asset(spec)],
             instance,
-            START + timedelta(hours=1),
-            START + timedelta(hours=2),
+            small_topic.START + timedelta(hours=1),
+            small_topic.START + timedelta(hours=2),
             raise_on_error=False,
         )
         assert later.success
     spark_session.sql(f"REFRESH TABLE {quarantine}")
-    assert _offsets(spark_session, quarantine) == {EVENTS}
+    assert _offsets(spark_session, quarantine) == {small_topic.EVENTS}
     refs = {r[0] for r in spark_session.sql(f"SELECT name FROM {quarantine}.refs").collect()}
     assert refs == {"main"}

@@ -456,7 +456,11 @@ def find(
     raw_pub = {h: _publish(e) for h, e in raw_entries.items()}
     cur_pub = covered_hours(published(catalog, f"{namespace}.{spec.current_table}"))
     findings.raw_gaps = sorted(h for h in in_kafka if h not in raw_pub)
-    findings.current_gaps = sorted(h for h in in_kafka if h not in cur_pub)
+    # The current state by lineage: an hour whose raw publish it did not read (a raw-only
+    # materialization, or a run whose current step failed, republished it) is due too.
+    raw_full = f"{catalog.name}.{namespace}.{spec.raw_table}"
+    unread = {h for h, p in raw_pub.items() if h in cur_pub and not cur_pub[h].read(p, raw_full)}
+    findings.current_gaps = sorted({h for h in in_kafka if h not in cur_pub} | unread)
     every = list(specs) if specs is not None else [spec]
     known = declared.relations(every)
     by_topic = {spec.topic: in_kafka}
@@ -622,10 +626,25 @@ def _due(
     return due
 
 
+def late_readers(spec: TopicSpec, specs: list[TopicSpec] | None = None) -> list[TableSpec]:
+    """The declared tables that read ``spec``'s events, wherever they are declared (``specs``:
+    every topic; default ``spec`` alone)."""
+    every = list(specs) if specs is not None else [spec]
+    if spec not in every:
+        every.append(spec)
+    return [t for s in every for t in s.tables if spec.name in t.refs]
+
+
 def late_event_hours(
-    catalog: Catalog, namespace: str, spec: TopicSpec, *, now: datetime | None = None
+    catalog: Catalog,
+    namespace: str,
+    spec: TopicSpec,
+    *,
+    specs: list[TopicSpec] | None = None,
+    now: datetime | None = None,
 ) -> dict[str, dict[datetime, str]]:
-    """Per declared table that reads the topic's events: event-time hours that a raw publish
+    """Per declared table that reads the topic's events (:func:`late_readers`: declared under
+    any topic of ``specs``): event-time hours that a raw publish
     changed after the table's hour was published, from Kafka hours outside what the hour reads
     by its partition mapping (so the gap sensor's staleness rule misses them).
 
@@ -637,7 +656,7 @@ def late_event_hours(
     hour touches comes from the ledger (``Entry.event_hours``, ``Entry.superseded_hours``, the
     replay's own figures), so a tick reads ledger rows, never table rows, and costs the same
     whatever the tables hold."""
-    readers = [t for t in spec.tables if spec.name in t.refs]
+    readers = late_readers(spec, specs)
     out: dict[str, dict[datetime, str]] = {}
     if not readers:
         return out

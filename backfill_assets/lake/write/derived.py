@@ -81,7 +81,8 @@ class DerivedOutcome:
     metadata: dict[str, Any] = field(default_factory=dict)
     # Per partition hour (ISO-8601, UTC): that hour's own figures; "rows" is its row count.
     per_hour: dict[str, dict[str, int]] = field(default_factory=dict)
-    # Declared tables: input table -> (snapshot id, sequence number) of the main it read.
+    # Input table -> (snapshot id, sequence number) of the main it read (declared tables, and
+    # the current state: the raw table).
     reads: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
@@ -666,12 +667,16 @@ def build_current(
 ) -> DerivedOutcome:
     """Recompute, onto a run branch of the current-state table, every key touched by Kafka
     hours ``[start, end)``: keys with a raw row there, and keys whose current row came from
-    there (so a rolled-back raw hour is undone by re-running it). One MERGE commit."""
+    there (so a rolled-back raw hour is undone by re-running it). One MERGE commit. The raw
+    table is read at one snapshot of its main, pinned when the run starts, and the outcome's
+    ``reads`` records which (its lineage: a raw publish it did not read makes the hour due)."""
     key = spec.current_rule.key
     payload = [c.name for c in spec.columns if c.name != key]
     _ensure_current_table(spark, spec, table)
-    raw = spark.table(raw_table)
-    source = _current_source(spark, spec, raw_table, raw, table, start, end)
+    pin = ref_snapshot(spark, raw_table, "main") if spark.catalog.tableExists(raw_table) else None
+    pinned = f"{raw_table}.snapshot_id_{pin[0]}" if pin is not None else raw_table
+    raw = spark.table(pinned)
+    source = _current_source(spark, spec, pinned, raw, table, start, end)
     try:
         view = f"_current_src_{run_id.replace('-', '_')}_{attempt}"
         source.createOrReplaceTempView(view)
@@ -683,7 +688,10 @@ def build_current(
         spark.catalog.dropTempView(view)
     finally:
         source.unpersist()
-    return _current_outcome(spec, raw, state, branch, start, end, not_applied, source_keys)
+    outcome = _current_outcome(spec, raw, state, branch, start, end, not_applied, source_keys)
+    if pin is not None:
+        outcome.reads[raw_table] = pin
+    return outcome
 
 
 def _ensure_current_table(spark: SparkSession, spec: TopicSpec, table: str) -> None:

@@ -186,7 +186,7 @@ def gaps_command(ui: Ui, settings: Settings, topic: str, horizon_hours: int) -> 
         retention_horizon=timedelta(hours=horizon_hours),
         read_budget=settings.gap_read_budget,
     )
-    late = detect.late_event_hours(cat, ns, spec)
+    late = detect.late_event_hours(cat, ns, spec, specs=list(common.specs().values()))
     stale = {t.name: ledger.stale(cat, ns, f"{cat.name}.{ns}.{t.name}") for t in spec.tables}
     doc = _gaps_doc(spec, found, late, stale)
     doc["topic_replaced"] = str(found.replaced) if found.replaced is not None else None
