@@ -54,7 +54,11 @@ def test_late_records_on_a_topic_make_a_table_declared_elsewhere_due(
     a = renamed(SPECS[0], topic=f"a_{suffix}", partition_start=START)
     hourly = next(t for t in a.tables if t.name.endswith("_hourly"))
     b = renamed(SPECS[0], topic=f"b_{suffix}", partition_start=START).model_copy(
-        update={"tables": (hourly.model_copy(update={"name": f"b_{suffix}_reads_a"}),)}
+        update={
+            "tables": (
+                hourly.model_copy(update={"name": f"b_{suffix}_reads_a", "topic": f"b_{suffix}"}),
+            )
+        }
     )
     a, b = declared.validate([a.model_copy(update={"tables": ()}), b], Path("test"))
     table = b.tables[0]
