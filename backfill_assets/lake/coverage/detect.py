@@ -24,7 +24,7 @@ it read, recorded with the publish; wall-clock times only for publishes recorded
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -456,11 +456,8 @@ def find(
     raw_pub = {h: _publish(e) for h, e in raw_entries.items()}
     cur_pub = covered_hours(published(catalog, f"{namespace}.{spec.current_table}"))
     findings.raw_gaps = sorted(h for h in in_kafka if h not in raw_pub)
-    # The current state by lineage: an hour whose raw publish it did not read (a raw-only
-    # materialization, or a run whose current step failed, republished it) is due too.
     raw_full = f"{catalog.name}.{namespace}.{spec.raw_table}"
-    unread = {h for h, p in raw_pub.items() if h in cur_pub and not cur_pub[h].read(p, raw_full)}
-    findings.current_gaps = sorted({h for h in in_kafka if h not in cur_pub} | unread)
+    findings.current_gaps = _current_gaps(raw_full, in_kafka, raw_pub, cur_pub)
     every = list(specs) if specs is not None else [spec]
     known = declared.relations(every)
     by_topic = {spec.topic: in_kafka}
@@ -468,7 +465,6 @@ def find(
     raw_coverage = {spec.topic: raw_entries}
 
     logs: dict[str, ledger.Log] = {}
-
     raw_tables = {s.topic: s.raw_table for s in every}
 
     def raw_of(topic: str) -> dict[datetime, ledger.Entry]:
@@ -624,6 +620,19 @@ def _due(
         elif newer:
             due[hour] = newer
     return due
+
+
+def _current_gaps(
+    raw_full: str,
+    in_kafka: Iterable[datetime],
+    raw_pub: dict[datetime, Publish],
+    cur_pub: dict[datetime, Publish],
+) -> list[datetime]:
+    """The current state's due hours: Kafka hours it never published, and, by lineage, hours
+    whose raw publish it did not read (a raw-only materialization, or a run whose current step
+    failed, republished them)."""
+    unread = {h for h, p in raw_pub.items() if h in cur_pub and not cur_pub[h].read(p, raw_full)}
+    return sorted({h for h in in_kafka if h not in cur_pub} | unread)
 
 
 def late_readers(spec: TopicSpec, specs: list[TopicSpec] | None = None) -> list[TableSpec]:
