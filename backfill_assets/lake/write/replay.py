@@ -39,10 +39,8 @@ from backfill_assets.lake.write.tables import ensure_tables
 from backfill_assets.lake.write.wap import (
     SUMMARY_PREFIX,
     Branch,
-    PublishError,
     open_branch,
     pending_quarantine,
-    publish,
     ref_snapshot_id,
     ref_sql,
 )
@@ -231,16 +229,32 @@ def publish_quarantine(
     table) on the quarantine table's main, right after its rows were published: a fast-forward
     when main has not moved since the branch was made, else one overwrite of the window's
     hours with the branch's rows. One commit either way; the branch is dropped. ``summary``
-    is the run's (:func:`audit_summary`). Returns main's new snapshot."""
-    if ref_snapshot_id(spark, qbranch.table, "main") == qbranch.main_before:
-        with contextlib.suppress(PublishError):  # main moved meanwhile: copy instead
-            return publish(spark, qbranch, summary, window)
+    is the run's (:func:`audit_summary`). The quarantine's snapshots never say
+    ``published``: the ledger and the audit table record the raw publish, not this one.
+    Returns main's new snapshot."""
+    table = qbranch.table
+    if ref_snapshot_id(spark, table, "main") == qbranch.main_before:
+        catalog = table.split(".", 1)[0]
+        with contextlib.suppress(Exception):  # main moved meanwhile: copy instead
+            ref_sql(
+                spark,
+                table,
+                f"CALL {catalog}.system.fast_forward('{table}', 'main', '{qbranch.name}')",
+            )
+            return _published_quarantine(spark, qbranch)
     rows = spark.table(qbranch.ident).where(hours_filter(*window))
-    writer = rows.writeTo(qbranch.table)
-    for key, value in {**summary, "published": "true"}.items():
+    writer = rows.writeTo(table)
+    props = {k: v for k, v in summary.items() if k != "published"}
+    for key, value in props.items():
         writer = writer.option(f"snapshot-property.{SUMMARY_PREFIX}{key}", value)
     writer.overwrite(hours_filter(*window))
-    _drop(spark, qbranch.table, qbranch.name)
+    return _published_quarantine(spark, qbranch)
+
+
+def _published_quarantine(spark: SparkSession, qbranch: Branch) -> int:
+    """Drop the published quarantine branch; main's snapshot now."""
+    with contextlib.suppress(Exception):  # housekeeping never fails a done publish
+        _drop(spark, qbranch.table, qbranch.name)
     published = ref_snapshot_id(spark, qbranch.table, "main")
     assert published is not None
     return published
