@@ -251,8 +251,6 @@ def fresh(stack_settings: Settings) -> Iterator[World]:
         yield World(spec, START, instance, build_topic_assets(spec))
 
 
-# Long (about 35 s): in the slow tier, which CI runs, to keep the default tier under 15 min.
-@pytest.mark.slow
 def test_failed_request_is_retried_with_backoff_and_its_bad_hour_isolated(
     fresh: World,
 ) -> None:
