@@ -80,9 +80,13 @@ def init_local_catalog(cfg: CatalogSettings) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     if cfg.warehouse.startswith("file://"):
         Path(urlparse(cfg.warehouse).path).mkdir(parents=True, exist_ok=True)
-    con = sqlite3.connect(path)
+    # Runs in other processes commit to the file meanwhile: wait for their locks (the default
+    # 5 s gave "database is locked" once), and switch to WAL only if it is not yet (a mode
+    # change needs the database to itself).
+    con = sqlite3.connect(path, timeout=60)
     try:
-        con.execute("PRAGMA journal_mode=WAL")
+        if str(con.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+            con.execute("PRAGMA journal_mode=WAL")
         for ddl in _SQLITE_DDL:
             con.execute(ddl)
         con.commit()
