@@ -450,7 +450,7 @@ def _write_legacy(store: Archive, topic: str, start: int, end: int, records: lis
         "max_timestamp_ms": max(stamps, default=None),
     }
     schema = SCHEMA.with_metadata({b"backfill.archive": json.dumps(meta).encode()})
-    directory = f"{store.root}/{topic}/0"
+    directory = store.directory(topic, 0)
     Path(directory).mkdir(parents=True, exist_ok=True)
     path = f"{directory}/{start:020d}-{end:020d}.parquet"
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)

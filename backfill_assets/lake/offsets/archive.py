@@ -3,7 +3,16 @@
 Layout, under ``BACKFILL_ARCHIVE_URI`` (a local directory by default, ``s3://bucket/prefix``
 in production, both through :mod:`pyarrow.fs`)::
 
-    <topic>/<partition>/<start:020d>-<end:020d>.parquet
+    <topic>/log-<topic id>/<partition>/<start:020d>-<end:020d>.parquet
+
+The archive belongs to one log: ``<topic id>`` is the id Kafka gave the topic when it was
+created (a topic deleted and recreated, or served by another cluster after a failover, is a new
+log whose offsets restart), and each file records the topic id and cluster id it was read from.
+A reader is bound to one log: a run to the log its contract read, everything else to Kafka's
+current log of the topic, so no run, scan or retention warning ever takes one log's archived
+offsets for another's. Files of the first layout (``<topic>/<partition>/...``, no log) are
+*unattributed*: never read, never deleted; each archiver pass re-archives from Kafka what Kafka
+still holds and lists them with the folder an operator who knows their log moves them to.
 
 A file holds every committed record of that partition whose offset is in ``[start, end)``;
 offsets with no committed record (records of aborted transactions, transaction markers,
@@ -41,7 +50,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,13 +66,15 @@ from backfill_assets.stack import catalog
 if TYPE_CHECKING:
     from confluent_kafka import Message
 
-    from backfill_assets.stack.kafka import KafkaClient
+    from backfill_assets.stack.kafka import KafkaClient, TopicIdentity
     from backfill_assets.stack.settings import Settings
 
 _NAME = re.compile(r"^(\d{20})-(\d{20})\.parquet$")
 # The only isolation level the archive is read and written with; recorded in every file.
 ISOLATION = "read_committed"
 _META_KEY = b"backfill.archive"
+# The folder of one log of a topic: ``log-<topic id>`` (see the module docstring).
+_LOG_DIR = "log-{topic_id}"
 # How long a reader that refuses a legacy file waits for Kafka's log start offset (to say
 # whether the file can still be re-archived).
 _LOOKUP_TIMEOUT_S = 10.0
@@ -90,7 +101,7 @@ SCHEMA = pa.schema(
 def layout_version(topic: str) -> str:
     """The version of what defines the archive of ``topic`` (its file schema and isolation),
     shown by Dagster as the archive asset's ``code_version``."""
-    return versions.digest("archive", [topic, SCHEMA.to_string(), ISOLATION])
+    return versions.digest("archive", [topic, SCHEMA.to_string(), ISOLATION, _LOG_DIR])
 
 
 class ArchiveError(BackfillError):
@@ -128,6 +139,9 @@ class PartitionRun:
     unverifiable_legacy: list[dict[str, Any]] = field(default_factory=list)
     # Legacy files reaching past the LSO: re-archived by a pass after the transaction ends.
     legacy_waiting: list[dict[str, Any]] = field(default_factory=list)
+    # Files of the first layout (no log): never read; an operator who knows their log moves
+    # them into its folder.
+    unattributed: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -146,14 +160,18 @@ class PartitionRun:
             out["unverifiable_legacy"] = self.unverifiable_legacy
         if self.legacy_waiting:
             out["legacy_waiting_for_transaction"] = self.legacy_waiting
+        if self.unattributed:
+            out["unattributed"] = self.unattributed
         return out
 
 
 class Archive:
-    """Read and write the archive of one settings' ``archive_uri``."""
+    """Read and write the archive of one settings' ``archive_uri``, one log per topic: the log
+    ``logs`` names for it, else Kafka's current log of the topic (asked once)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, logs: Mapping[str, TopicIdentity] | None = None) -> None:
         self.settings = settings
+        self._logs = dict(logs or {})
         self.uri = settings.archive_uri.rstrip("/")
         self.fs, self.root = _filesystem(settings)
         self.file_records = settings.archive_file_records
@@ -162,12 +180,25 @@ class Archive:
         self._committed: set[str] = set()
 
     # -- reading ------------------------------------------------------------------------
-    def _dir(self, topic: str, partition: int) -> str:
-        return f"{self.root}/{topic}/{partition}"
+    def log(self, topic: str) -> TopicIdentity:
+        """The log of ``topic`` this archive reads and writes."""
+        if topic not in self._logs:
+            from backfill_assets.stack.kafka import KafkaClient
+
+            self._logs[topic] = KafkaClient(self.settings).topic_identity(topic)
+        return self._logs[topic]
+
+    def directory(self, topic: str, partition: int) -> str:
+        """The folder of a partition's files in this archive's log of ``topic``."""
+        log = _LOG_DIR.format(topic_id=self.log(topic).topic_id)
+        return f"{self.root}/{topic}/{log}/{partition}"
 
     def files(self, topic: str, partition: int) -> list[ArchiveFile]:
         """All complete files of a partition, by start offset (temporary files excluded)."""
-        selector = pafs.FileSelector(self._dir(topic, partition), allow_not_found=True)
+        return self._listed(self.directory(topic, partition), partition)
+
+    def _listed(self, directory: str, partition: int) -> list[ArchiveFile]:
+        selector = pafs.FileSelector(directory, allow_not_found=True)
         out = []
         for info in self.fs.get_file_info(selector):
             match = _NAME.match(info.base_name)
@@ -221,7 +252,8 @@ class Archive:
                 return picked
         raise ArchiveError(
             f"topic {topic!r} partition {partition}: offsets [{need}, {end}) are not in the "
-            f"archive at {self.uri} (archived: {_intervals(self.coverage(topic, partition))})"
+            f"archive at {self.uri} of the topic's log {self.log(topic).topic_id} (archived: "
+            f"{_intervals(self.coverage(topic, partition))})"
         )
 
     def first_offset_at(
@@ -364,6 +396,7 @@ class Archive:
             run = PartitionRun(p, start, max(start, lso), lost=lost)
             if high > max(start, lso):
                 run.waiting_for_transaction = (max(start, lso), high)
+            run.unattributed = self._unattributed(topic, p)
             self._rearchive_legacy(kafka, topic, run, low, lso)
             if lso > start:
                 self._archive_range(kafka, topic, run)
@@ -371,6 +404,23 @@ class Archive:
             if on_progress is not None:
                 on_progress(len(runs), len(todo))
         return runs
+
+    def _unattributed(self, topic: str, partition: int) -> list[dict[str, Any]]:
+        """The partition's files of the first layout (no log), each with where to move it."""
+        folder = self.directory(topic, partition)
+        return [
+            {
+                "file": f.path,
+                "offsets": [f.start, f.end],
+                "why": (
+                    f"archived before the archive kept one folder per log, so no run reads it: "
+                    f"if it was read from the topic's current log (topic id "
+                    f"{self.log(topic).topic_id}), move it into {folder}/; otherwise keep it "
+                    "apart (it is another log's history)"
+                ),
+            }
+            for f in self._listed(f"{self.root}/{topic}/{partition}", partition)
+        ]
 
     def _rearchive_legacy(
         self, kafka: KafkaClient, topic: str, run: PartitionRun, low: int, lso: int
@@ -393,7 +443,7 @@ class Archive:
                 self._committed_records(kafka, topic, f.partition, f.start, f.end)
             ) as it:
                 msgs = list(it)
-            table, _ = _table(topic, f.partition, f.start, f.end, msgs)
+            table, _ = _table(self.log(topic), topic, f.partition, f.start, f.end, msgs)
             legacy = self._read(f)
             if not _is_subset(table, legacy):
                 # Kafka's committed records differ from what the file holds (the topic was
@@ -483,7 +533,7 @@ class Archive:
         self, topic: str, run: PartitionRun, start: int, end: int, msgs: list[Message]
     ) -> int:
         """Write one new file for ``[start, end)`` atomically; returns ``end``."""
-        table, size = _table(topic, run.partition, start, end, msgs)
+        table, size = _table(self.log(topic), topic, run.partition, start, end, msgs)
         final = self._put(topic, run.partition, start, end, table)
         self._committed.add(final)
         run.records += len(msgs)
@@ -494,7 +544,7 @@ class Archive:
     def _put(self, topic: str, partition: int, start: int, end: int, table: pa.Table) -> str:
         """Write ``table`` as the file of ``[start, end)``: under a hidden temporary name, then
         moved to its final name (replacing a file already there, atomically)."""
-        directory = self._dir(topic, partition)
+        directory = self.directory(topic, partition)
         self.fs.create_dir(directory, recursive=True)
         final = f"{directory}/{start:020d}-{end:020d}.parquet"
         tmp = f"{directory}/.tmp-{uuid.uuid4().hex}.parquet"
@@ -515,9 +565,10 @@ def _is_committed(meta: dict[str, Any]) -> bool:
 
 
 def _table(
-    topic: str, partition: int, start: int, end: int, msgs: list[Message]
+    log: TopicIdentity, topic: str, partition: int, start: int, end: int, msgs: list[Message]
 ) -> tuple[pa.Table, int]:
-    """The file contents of ``[start, end)`` (schema metadata included) and its payload bytes."""
+    """The file contents of ``[start, end)`` of the log ``log`` (schema metadata included) and
+    its payload bytes."""
     columns: dict[str, list[Any]] = {name: [] for name in SCHEMA.names}
     size = 0
     for msg in msgs:
@@ -538,6 +589,8 @@ def _table(
     stamps: list[int] = columns["timestamp"]
     meta = {
         "topic": topic,
+        "topic_id": log.topic_id,
+        "cluster_id": log.cluster_id,
         "partition": partition,
         "start": start,
         "end": end,

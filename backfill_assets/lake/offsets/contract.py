@@ -160,7 +160,7 @@ def window_contract(
         spec.topic,
         start,
         end,
-        archive=Archive(settings),
+        archive=Archive(settings, {spec.topic: read}),
         published=published,
         seal_grace=timedelta(seconds=settings.seal_grace_s),
         decode=RecordDecoder(spec, settings.schema_registry_url),

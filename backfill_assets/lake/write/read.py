@@ -30,7 +30,10 @@ def read_contract(spark: SparkSession, settings: Settings, contract: OffsetContr
     if not archived or any(e > s for s, e in contract.kafka_ranges.values()):
         frames.append(_read_kafka(spark, settings, contract.topic, contract.kafka_ranges))
     if archived:
-        store = Archive(settings)
+        # The log the contract read, never another log's offsets under the same name.
+        store = Archive(
+            settings, {contract.topic: contract.identity} if contract.identity else None
+        )
         paths: list[str] = []
         cond: Column | None = None
         for p, (s, e) in sorted(archived.items()):
