@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import dagster as dg
+import pytest
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
@@ -73,6 +74,7 @@ def _archive(spec_topic: str, instance: dg.DagsterInstance) -> dict[str, object]
     return {k: v.value for k, v in meta.items()}
 
 
+@pytest.mark.slow  # 30 s: the default tier stays under 15 minutes
 def test_recreated_topic_is_archived_and_read_as_its_own_log(
     stack_settings: Settings, spark_session: SparkSession
 ) -> None:
