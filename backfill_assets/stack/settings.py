@@ -208,9 +208,9 @@ class Settings:
     # How often a publish whose main moved (disjoint windows published meanwhile) rebases.
     publish_attempts: int = 5
     fault_point: str | None = None  # test-only: see backfill_assets.stack.faults
-    # The decoded_content check decodes every record of a window of at most
+    # The decoded_content check decodes every record of a Kafka hour of at most
     # content_sample_above records (BACKFILL_CONTENT_SAMPLE_ABOVE), and 1 record in
-    # content_sample (BACKFILL_CONTENT_SAMPLE; 1: every record) of a larger one: see
+    # content_sample (BACKFILL_CONTENT_SAMPLE; 1: every record) of a larger hour: see
     # backfill_assets.lake.decode.content.
     content_sample: int = 16
     content_sample_above: int = 50_000
@@ -434,7 +434,7 @@ MAX_CONTENT_SAMPLE = 1024
 
 def _content_sample(env: Mapping[str, str]) -> int:
     """``BACKFILL_CONTENT_SAMPLE``: K, the decoded_content check decodes 1 record in K of a
-    large window (1: every record)."""
+    large hour (1: every record)."""
     name = "BACKFILL_CONTENT_SAMPLE"
     raw = env.get(name) or "16"
     try:
@@ -444,7 +444,7 @@ def _content_sample(env: Mapping[str, str]) -> int:
     if not 1 <= k <= MAX_CONTENT_SAMPLE:
         raise SettingsError(
             f"{name}={raw!r}: it must be a whole number from 1 (decode every record) to "
-            f"{MAX_CONTENT_SAMPLE} (decode 1 record in {MAX_CONTENT_SAMPLE} of a window larger "
+            f"{MAX_CONTENT_SAMPLE} (decode 1 record in {MAX_CONTENT_SAMPLE} of an hour larger "
             "than BACKFILL_CONTENT_SAMPLE_ABOVE records)"
         )
     return k

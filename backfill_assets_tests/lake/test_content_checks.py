@@ -10,10 +10,11 @@
 * The Python decode agrees with Spark where they must: the row hash is Spark's ``xxhash64``
   and ISO timestamps parse as Spark's cast does (the other rules are exercised against the JVM
   reader by ``test_bad_input``, whose run must pass this check too).
-* A window larger than ``BACKFILL_CONTENT_SAMPLE_ABOVE`` decodes a 1-in-K sample picked by a
-  hash of (partition, offset), and the table side sums the same rows: the predicate agrees bit
-  for bit between Python and Spark, a clean sampled run passes and the wrong upcaster is still
-  blocked through the sampled path; a small window is decoded whole.
+* An hour larger than ``BACKFILL_CONTENT_SAMPLE_ABOVE`` decodes a 1-in-K sample picked by a
+  hash of (partition, offset) and the run's residue, and the table side sums the same rows: the
+  predicate agrees bit for bit between Python and Spark, a clean sampled run passes and the
+  wrong upcaster is still blocked through the sampled path; a small hour is decoded whole,
+  whatever else the run holds.
 """
 
 from __future__ import annotations
@@ -153,27 +154,38 @@ def test_an_integer_reads_as_the_same_number_as_a_decimal(number: str, spark_typ
     assert got == expect and type(got) is type(expect)
 
 
-def test_a_small_window_is_decoded_whole_and_a_large_one_by_its_sample() -> None:
+def test_whole_or_sampled_is_decided_per_hour_and_each_run_draws_its_sample() -> None:
+    """Issue 51 item 7: an hour of at most the threshold is decoded whole in a run that also
+    holds a larger hour (before, the run's total made every hour of it sampled), the larger
+    hour keeps only its sample, and another residue compares other records."""
     from backfill_assets.lake.offsets.scan import _Decoding
-    from backfill_assets.lake.offsets.windows import Cell
-
-    seen: list[tuple[int, int]] = []
+    from backfill_assets.lake.offsets.windows import Cell, Windows, _ms
 
     def decode(p: int, o: int, key: bytes | None, value: bytes | None) -> tuple[str, Any]:
-        seen.append((p, o))
         return content.ROW, 1
 
-    records = [(p, o) for p in range(3) for o in range(40)]
-    for whole_up_to, expect in ((120, 1), (119, 4)):
-        seen.clear()
-        decoding, cell = _Decoding(decode, 4, whole_up_to), Cell(0, 0)
-        for p, o in records:
-            decoding.add(cell, p, o, None, b"{}")
-        assert decoding.finish() == expect
-        picked = [r for r in records if expect == 1 or content.in_sample(*r, 4)]
-        assert sorted(seen) == picked and cell.decoded_rows == len(picked)
-        assert decoding.decoded == len(picked)
-        assert expect == 1 or 0 < len(picked) < len(records) / 2
+    t0 = datetime(2026, 3, 1, tzinfo=UTC)
+    bounds = [t0, t0 + timedelta(hours=1), t0 + timedelta(hours=2)]
+    small = [(p, o) for p in range(3) for o in range(10)]  # hour 0: 30 records
+    large = [(p, o) for p in range(3) for o in range(100, 140)]  # hour 1: 120 records
+    picks = []
+    for residue in (0, 1):
+        decoding = _Decoding(decode, 4, 30, residue)
+        cells = {bounds[i]: {p: Cell(0, 0) for p in range(3)} for i in (0, 1)}
+        for i, records in enumerate((small, large)):
+            for p, o in records:
+                decoding.add(cells[bounds[i]][p], i, p, o, None, b"{}")
+        sample = decoding.finish(Windows("t", bounds[0], bounds[2], cells), bounds)
+        assert sample == content.Sample(4, residue, frozenset({_ms(bounds[1])}))
+        assert sum(c.decoded_rows for c in cells[bounds[0]].values()) == len(small)
+        picked = [r for r in large if content.in_sample(*r, 4, residue=residue)]
+        assert sum(c.decoded_rows for c in cells[bounds[1]].values()) == len(picked)
+        assert 0 < len(picked) < len(large) / 2
+        assert all(c.rest_rows == 0 for row in cells.values() for c in row.values())
+        picks.append(set(picked))
+        # The records decoded beyond the sample are bounded by the threshold.
+        assert decoding.decoded <= len(small) + 30 + len(picked)
+    assert picks[0].isdisjoint(picks[1])
     assert content.miss_bound(16, 100) == pytest.approx(0.0016, abs=1e-4)
 
 
@@ -242,12 +254,25 @@ def test_the_sample_predicate_agrees_with_spark(spark_session: SparkSession) -> 
 
     pairs = [(p, o) for p in (0, 1, 5, 2**31 - 1) for o in range(300)]
     pairs += [(3, 2**62 + i) for i in range(100)] + [(7, 2**63 - 1), (0, 0)]
-    frame = spark_session.createDataFrame(pairs, "kafka_partition int, kafka_offset bigint")
+    hour = datetime(2026, 1, 1, tzinfo=UTC)
+    frame = spark_session.createDataFrame(
+        [(p, o, hour) for p, o in pairs],
+        "kafka_partition int, kafka_offset bigint, kafka_hour timestamp",
+    )
+    hours = frozenset({int(hour.timestamp() * 1000)})
     for k in (2, 3, 16, 1024):
-        got = frame.where(content.sample_condition(k)).collect()
-        spark_picked = sorted((r["kafka_partition"], r["kafka_offset"]) for r in got)
-        assert spark_picked == sorted(r for r in pairs if content.in_sample(*r, k)), k
-        assert spark_picked, k
+        for residue in (0, k - 1):
+            chosen = content.sample_condition(content.Sample(k, residue, hours))
+            assert chosen is not None
+            got = frame.where(chosen).collect()
+            spark_picked = sorted((r["kafka_partition"], r["kafka_offset"]) for r in got)
+            expect = sorted(r for r in pairs if content.in_sample(*r, k, residue=residue))
+            assert spark_picked == expect, (k, residue)
+            assert spark_picked, k
+    # An hour outside the sampled ones is compared whole.
+    other = content.sample_condition(content.Sample(16, 0, frozenset({0})))
+    assert other is not None and frame.where(other).count() == len(pairs)
+    assert content.sample_condition(content.Sample(16, 0, frozenset())) is None
     # The hash spans negative and positive longs: pmod, not %, on Spark's side.
     signs = frame.select(F.xxhash64("kafka_partition", "kafka_offset") < 0).distinct().count()
     assert signs == 2
@@ -342,8 +367,11 @@ def test_a_large_window_is_sampled_and_a_wrong_upcaster_is_still_blocked(
     assert meta["sampled"] is True and meta["sample_fraction"] == 0.25
     assert "(1 - 1/4)^m" in meta["miss_rate"]
     assert 0 < meta["rows_compared"] < meta["rows_on_branch"] / 2
-    assert meta["decoded_records"] < meta["rows_on_branch"] / 2
-    assert "in the 1-in-4 sample" in str(check.description)
+    # Beyond the sample, at most the threshold's 50 records per hour were decoded.
+    assert meta["decoded_records"] <= 2 * 50 + meta["rows_compared"] + 2
+    assert meta["decoded_records"] < meta["rows_on_branch"]
+    assert "the 1-in-4 sample of residue" in str(check.description)
+    assert meta["sampled_hours"] == [first.isoformat(), last.isoformat()]
     before = _main_snapshot(spark_session, table)
 
     wrong = renamed(

@@ -14,15 +14,19 @@ changes some hour's sum (one changed value in a window is enough: the sums are e
 of 64-bit hashes, so a miss needs a hash collision, about 2^-64).
 
 The decode runs in Python on the run's driver, while librdkafka reads the records (about 20 us
-a record of CPU, ``bench/decode.py``; the seconds are in the check's metadata). A window of at
-most ``BACKFILL_CONTENT_SAMPLE_ABOVE`` records (default 50,000) is decoded whole. A larger one
-decodes only the deterministic sample :func:`in_sample` picks, 1 record in
-``BACKFILL_CONTENT_SAMPLE`` (default 16) by a hash of its (partition, offset), and the check
-sums the same records on the table side (:func:`sample_condition`, the same predicate in
-Spark): a fault touching m records of the window escapes with probability (1 - 1/K)^m
-(:func:`miss_bound`). A record the reference quarantines counts on neither side only if the
-table quarantined it too; a record one side keeps as a row and the other quarantines changes
-the hour's sum and row count, so the check fails.
+a record of CPU, ``bench/decode.py``; the seconds are in the check's metadata). Whole or
+sampled is decided per Kafka hour, never per run, so an hour is checked alike by a 1-hour and
+a 168-hour run: an hour of at most ``BACKFILL_CONTENT_SAMPLE_ABOVE`` records (default 50,000)
+is decoded whole. A larger hour is compared on the sample :func:`in_sample` picks, 1 record
+in ``BACKFILL_CONTENT_SAMPLE`` (default 16) whose (partition, offset) hash is the run's
+residue modulo K (drawn per run: a re-run checks other records), and the check sums the same
+records on the table side (:func:`sample_condition`, the same predicate in Spark, told which
+hours are sampled by :class:`Sample`): a fault touching m records of such an hour escapes with
+probability (1 - 1/K)^m (:func:`miss_bound`). The scan decodes the records outside the sample
+too while their hour has at most the threshold (two sums per cell), so it needs no buffer, and
+an hour that proves larger keeps only its sample's sum. A record the reference quarantines
+counts on neither side only if the table quarantined it too; a record one side keeps as a row
+and the other quarantines changes the hour's sum and row count, so the check fails.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import functools
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -74,22 +79,45 @@ def position_hash(partition: int, offset: int) -> int:
     return _XXH64(_PACK_LONG(offset), partition_seed(partition))
 
 
-def in_sample(partition: int, offset: int, k: int, position: int | None = None) -> bool:
-    """Whether the record at (``partition``, ``offset``) is in the 1-in-``k`` content sample:
-    ``pmod(xxhash64(partition, offset), k) = 0`` as Spark computes it over ``kafka_partition``
-    (int) and ``kafka_offset`` (bigint), see :func:`sample_condition`. Every record for
-    ``k == 1``. ``position``: :func:`position_hash` of the record, when known."""
+@dataclass(frozen=True)
+class Sample:
+    """Which records the content check compares. Every record of an hour not in ``hours``; in
+    the hours of ``hours`` (epoch millis: hours holding more records than the decode covers
+    whole) the 1 in ``k`` whose position hash is ``residue`` modulo ``k``."""
+
+    k: int = 1
+    residue: int = 0
+    hours: frozenset[int] = frozenset()
+
+    @property
+    def whole(self) -> bool:
+        return self.k == 1 or not self.hours
+
+
+def in_sample(
+    partition: int, offset: int, k: int, position: int | None = None, residue: int = 0
+) -> bool:
+    """Whether the record at (``partition``, ``offset``) is in the 1-in-``k`` content sample of
+    ``residue``: ``pmod(xxhash64(partition, offset), k) = residue`` as Spark computes it over
+    ``kafka_partition`` (int) and ``kafka_offset`` (bigint), see :func:`sample_condition`. Every
+    record for ``k == 1``. ``position``: :func:`position_hash` of the record, when known."""
     if k == 1:
         return True
     h = position_hash(partition, offset) if position is None else position
-    return (h - _TWO_64 if h >= _TWO_63 else h) % k == 0  # Python's % is Spark's pmod for k > 0
+    # Python's % is Spark's pmod for k > 0.
+    return (h - _TWO_64 if h >= _TWO_63 else h) % k == residue
 
 
-def sample_condition(k: int) -> Column:
-    """:func:`in_sample` as a Spark condition over a raw table's rows (or quarantine rows)."""
+def sample_condition(sample: Sample) -> Column | None:
+    """:func:`in_sample` as a Spark condition over a raw table's rows (or quarantine rows):
+    the rows ``sample`` compares (None: every row)."""
     from pyspark.sql import functions as F
 
-    return F.pmod(F.xxhash64("kafka_partition", "kafka_offset"), F.lit(k)) == 0
+    if sample.whole:
+        return None
+    picked = F.pmod(F.xxhash64("kafka_partition", "kafka_offset"), F.lit(sample.k))
+    hour = F.unix_millis("kafka_hour")
+    return (picked == sample.residue) | ~hour.isin(sorted(sample.hours))
 
 
 def miss_bound(k: int, m: int) -> float:

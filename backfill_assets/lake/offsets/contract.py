@@ -5,6 +5,7 @@ the ledger and the archive; writes nothing."""
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
@@ -96,12 +97,14 @@ def offset_contract(
     decode: Decode | None = None,
     decode_sample: int = 1,
     decode_whole_up_to: int = 50_000,
+    decode_residue: int = 0,
 ) -> OffsetContract:
     """The exact offsets of hours ``[start, end)`` (see
     :func:`backfill_assets.lake.offsets.scan.scan`),
     chained on ``published`` (the ledger's windows of the topic's raw table); with ``decode``,
     the records are also decoded independently (:mod:`backfill_assets.lake.decode.content`): all of
-    them up to ``decode_whole_up_to`` records, else 1 in ``decode_sample``.
+    the records of an hour of up to ``decode_whole_up_to`` records, else 1 in ``decode_sample``
+    (those whose position hash is ``decode_residue`` modulo it).
 
     Offsets below a partition's log start offset come from the archive. Raises
     :class:`~backfill_assets.lake.offsets.windows.WindowNotSealed` or
@@ -118,6 +121,7 @@ def offset_contract(
         decode=decode,
         decode_sample=decode_sample,
         decode_whole_up_to=decode_whole_up_to,
+        decode_residue=decode_residue,
     )
     return OffsetContract(topic, start, end, windows.ranges, windows.kafka_start, windows)
 
@@ -166,6 +170,8 @@ def window_contract(
         decode=RecordDecoder(spec, settings.schema_registry_url),
         decode_sample=settings.content_sample,
         decode_whole_up_to=settings.content_sample_above,
+        # Drawn per run, so a re-run of a large hour compares other records than the last run.
+        decode_residue=secrets.randbelow(settings.content_sample),
     )
     return replace(
         contract,

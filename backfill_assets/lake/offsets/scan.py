@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
-from backfill_assets.lake.decode.content import in_sample
+from backfill_assets.lake.decode.content import Sample, in_sample
 from backfill_assets.lake.offsets.windows import (
     HOUR,
     Cell,
@@ -126,7 +126,7 @@ class _Cursor:
                 cell = cells[self.index] = Cell(start, start)
             position = cell.add(offset, key, value, self.partition)
             if self.decoding is not None:
-                self.decoding.add(cell, self.partition, offset, key, value, position)
+                self.decoding.add(cell, self.index, self.partition, offset, key, value, position)
         end = fixed.get(last)
         if end is None:
             end = found.get(last)
@@ -135,56 +135,54 @@ class _Cursor:
 
 @dataclass
 class _Decoding:
-    """The independent decode of a scan's records: every record of a window of at most
-    ``whole_up_to`` records, else those :func:`backfill_assets.lake.decode.content.in_sample` picks
-    for ``sample``. The records outside the sample wait (their bytes, not decoded) until the
-    window proves larger than ``whole_up_to``, or are decoded at the end (:meth:`finish`)."""
+    """The independent decode of a scan's records, whole or sampled per Kafka hour: every
+    record of an hour of at most ``whole_up_to`` records, else those
+    :func:`backfill_assets.lake.decode.content.in_sample` picks for ``sample`` and ``residue``.
+    A record outside the sample is decoded into its cell's second sum while its hour has at
+    most ``whole_up_to`` records; :meth:`finish` adds those sums in for the hours that stayed
+    small and drops them for the others (no record is buffered)."""
 
     decode: Decode
     sample: int
     whole_up_to: int
+    residue: int = 0
     seconds: float = 0.0
-    records: int = 0  # the window's records seen
     decoded: int = 0
-    waiting: list[tuple[Cell, int, int, bytes | None, bytes | None]] | None = field(
-        default_factory=list
-    )
+    hour_records: dict[int, int] = field(default_factory=dict)  # hour index -> records seen
+    sampled: set[int] = field(default_factory=set)  # hours past whole_up_to
 
     def add(
         self,
         cell: Cell,
+        hour: int,
         partition: int,
         offset: int,
         key: bytes | None,
         value: bytes | None,
         position: int | None = None,
     ) -> None:
-        self.records += 1
-        if self.sample > 1 and not in_sample(partition, offset, self.sample, position):
-            if self.waiting is not None:
-                if self.records > self.whole_up_to:
-                    self.waiting = None  # a large window: only the sample is decoded
-                else:
-                    self.waiting.append((cell, partition, offset, key, value))
-            return
+        seen = self.hour_records[hour] = self.hour_records.get(hour, 0) + 1
+        picked = in_sample(partition, offset, self.sample, position, self.residue)
+        if not picked:
+            if hour in self.sampled:
+                return
+            if seen > self.whole_up_to:
+                self.sampled.add(hour)  # a large hour: only its sample is compared
+                return
         began = time.perf_counter()
-        cell.add_decoded(*self.decode(partition, offset, key, value))
+        decoded = self.decode(partition, offset, key, value)
+        (cell.add_decoded if picked else cell.add_rest)(*decoded)
         self.seconds += time.perf_counter() - began
         self.decoded += 1
 
-    def finish(self) -> int:
-        """Decode the waiting records of a small window; the sample the decode covered."""
-        if self.waiting is None or self.records > self.whole_up_to:
-            self.waiting = None
-            return self.sample
-        began = time.perf_counter()
-        decode = self.decode
-        for cell, partition, offset, key, value in self.waiting:
-            cell.add_decoded(*decode(partition, offset, key, value))
-        self.seconds += time.perf_counter() - began
-        self.decoded += len(self.waiting)
-        self.waiting = None
-        return 1
+    def finish(self, windows: Windows, bounds: list[datetime]) -> Sample:
+        """Settle every cell (whole hours count the records outside the sample too); the
+        records the figures cover. ``bounds[i]`` is hour ``i``'s start."""
+        sampled = frozenset(_ms(bounds[i]) for i in self.sampled)
+        for hour, cells in windows.cells.items():
+            for cell in cells.values():
+                cell.settle(_ms(hour) not in sampled)
+        return Sample(self.sample, self.residue, sampled) if sampled else Sample()
 
 
 def scan(
@@ -201,6 +199,7 @@ def scan(
     decode: Decode | None = None,
     decode_sample: int = 1,
     decode_whole_up_to: int = 50_000,
+    decode_residue: int = 0,
 ) -> Windows:
     """The windows of hours ``[start, end)`` of ``topic`` and Kafka's figures for each.
 
@@ -212,10 +211,9 @@ def scan(
 
     With ``decode``, the records of the windows are also decoded on the way (the independent
     decode of :mod:`backfill_assets.lake.decode.content`) and the cells sum what it says: every
-    record
-    when the windows hold at most ``decode_whole_up_to`` records, else the 1 in
-    ``decode_sample`` that :func:`~backfill_assets.lake.decode.content.in_sample` picks
-    (``Windows.content_sample`` says which).
+    record of an hour holding at most ``decode_whole_up_to`` records, else the 1 in
+    ``decode_sample`` that :func:`~backfill_assets.lake.decode.content.in_sample` picks for
+    ``decode_residue`` (``Windows.content_sample`` says which).
     """
     now = now or datetime.now(UTC)
     if end > now:
@@ -225,7 +223,9 @@ def scan(
         )
     published = published or {}
     bounds = [*hours_between(start, end), end]
-    decoding = None if decode is None else _Decoding(decode, decode_sample, decode_whole_up_to)
+    decoding = None
+    if decode is not None:
+        decoding = _Decoding(decode, decode_sample, decode_whole_up_to, decode_residue)
     ends = kafka.log_ends(topic)
     parts = sorted(ends)
     cursors = {
@@ -241,7 +241,7 @@ def scan(
     check_chain(topic, out, published)
     windows = Windows(topic, start, end, out, {p: ends[p][0] for p in parts if ends[p][0] > 0})
     if decoding is not None:
-        windows.content_sample = decoding.finish()
+        windows.content_sample = decoding.finish(windows, bounds)
         windows.decoded, windows.decode_s = True, decoding.seconds
         windows.decoded_records = decoding.decoded
     return windows

@@ -35,7 +35,7 @@ from typing import Any
 import xxhash
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.lake.decode.content import partition_seed, position_hash
+from backfill_assets.lake.decode.content import Sample, partition_seed, position_hash
 from backfill_assets.lake.decode.envelope import WIRE_HEADER
 
 HOUR = timedelta(hours=1)
@@ -103,10 +103,15 @@ class Cell:
     first_offset: int | None = None
     last_offset: int | None = None
     # With a decode (see scan): the rows it expects, the sum of their content hashes, and the
-    # records of a version it has no reference for.
+    # records of a version it has no reference for; ``rest_*`` the same for the records
+    # outside the content sample, decoded while the hour may still be decoded whole (the scan
+    # adds them in when it is, and drops them when the hour proves larger).
     decoded_rows: int = 0
     decoded_sum: int = 0
     unverified: int = 0
+    rest_rows: int = 0
+    rest_sum: int = 0
+    rest_unverified: int = 0
     # The schema ids of its values in Confluent's wire format (0x00 + a 4-byte big-endian id):
     # the writer schemas an avro topic's parse needs, known without another read of Kafka.
     schema_ids: set[int] = field(default_factory=set)
@@ -138,6 +143,22 @@ class Cell:
         elif kind == "unverified":
             self.unverified += 1
 
+    def add_rest(self, kind: str, detail: Any) -> None:
+        """A decoded record outside the content sample (see ``rest_*``)."""
+        if kind == "row":
+            self.rest_rows += 1
+            self.rest_sum += detail
+        elif kind == "unverified":
+            self.rest_unverified += 1
+
+    def settle(self, whole: bool) -> None:
+        """The hour's decision: with ``whole``, the records outside the sample count too."""
+        if whole:
+            self.decoded_rows += self.rest_rows
+            self.decoded_sum += self.rest_sum
+            self.unverified += self.rest_unverified
+        self.rest_rows = self.rest_sum = self.rest_unverified = 0
+
 
 @dataclass
 class Windows:
@@ -153,9 +174,9 @@ class Windows:
     # Whether the records were also decoded (scan's ``decode``): the cells' decoded figures.
     decoded: bool = False
     decode_s: float = 0.0  # seconds the decode took
-    # K: the decode covered the records content.in_sample(partition, offset, K) picks (1:
-    # every record), and how many records it decoded.
-    content_sample: int = 1
+    # The records the decode's figures cover (every record of an hour it decoded whole, the
+    # sample of the others), and how many records it decoded.
+    content_sample: Sample = field(default_factory=Sample)
     decoded_records: int = 0
 
     @property

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets.lake.decode.content import miss_bound, sample_condition
+from backfill_assets.lake.decode.content import Sample, miss_bound, sample_condition
 from backfill_assets.lake.offsets.contract import window_filter
 from backfill_assets.lake.offsets.windows import hour_key
 from backfill_assets.lake.write.replay import ReplayOutcome
@@ -111,7 +111,7 @@ def run_checks(spark: SparkSession, spec: TopicSpec, outcome: ReplayOutcome) -> 
         spec,
         at_most=outcome.records_read,
         contract=True,
-        content_sample=windows.content_sample if windows is not None else 1,
+        content_sample=windows.content_sample if windows is not None else Sample(),
     )
     _set_figures(outcome, table_side)
     outcome.resent, outcome.conflicting_ids = table_side["resent"], table_side["conflicting"]
@@ -136,13 +136,12 @@ def table_figures(
     *,
     at_most: int | None = None,
     contract: bool = False,
-    content_sample: int = 1,
+    content_sample: Sample | None = None,
 ) -> dict[str, Any]:
     """Per hour: rows, quarantined, hash sums of Kafka bytes and of parsed content
-    (``content_per_hour`` and its rows ``content_rows_per_hour``: over the rows in the 1-in-
-    ``content_sample`` sample of :func:`backfill_assets.lake.decode.content.in_sample`, every row
-    for
-    1, what the window's decode covered), rows per
+    (``content_per_hour`` and its rows ``content_rows_per_hour``: over the rows
+    ``content_sample`` compares, see :class:`backfill_assets.lake.decode.content.Sample`; every
+    row without one: what the window's decode covered), rows per
     event-time hour, quarantined per reason; repeated offsets; repeated and conflicting event
     ids. Rows and quarantine are grouped by (partition, offset), then by (hour, reason, event
     hour), counting the offsets seen more than once on the way (copies of an offset in
@@ -176,15 +175,15 @@ def _figure_inputs(
     quarantine: DataFrame,
     spec: TopicSpec,
     counters: dict[str, Column] | None = None,
-    content_sample: int = 1,
+    content_sample: Sample | None = None,
 ) -> DataFrame:
     """One row per branch row and per quarantined record: hour (h), partition, offset, Kafka
     bytes hash, is_row, content hash, reason, event hour (e), and for events (not tombstones)
     their event id and a hash of their payload columns (id_content); with ``counters`` (the
     contract's, see :func:`contract_violations`) also ``_c0``, ``_c1``...: each counter for
-    events, 0 for tombstones and quarantined records; with a ``content_sample`` K > 1 also
-    ``s_row`` (1 for a row in the sample, else 0) and ``s_content`` (its content hash, else
-    NULL)."""
+    events, 0 for tombstones and quarantined records; with a ``content_sample`` that is not
+    whole also ``s_row`` (1 for a row it compares, else 0) and ``s_content`` (its content
+    hash, else NULL)."""
     from pyspark.sql import functions as F
 
     content_cols = ["kafka_partition", "kafka_offset", "is_tombstone"]
@@ -196,8 +195,8 @@ def _figure_inputs(
     content = F.xxhash64(*[F.col(c) for c in content_cols])
     sampled: list[Column] = []
     unsampled: list[Column] = []
-    if content_sample > 1:
-        chosen = sample_condition(content_sample)
+    chosen = sample_condition(content_sample or Sample())
+    if chosen is not None:
         sampled = [
             F.when(chosen, 1).otherwise(0).alias("s_row"),
             F.when(chosen, content).alias("s_content"),
@@ -622,11 +621,12 @@ def _decoded_content(table_side: dict[str, Any], outcome: ReplayOutcome) -> Chec
     """Per hour, the branch's rows against the independent decode of the same Kafka records
     (:mod:`backfill_assets.lake.decode.content`): the rows it expects and the sum of their content
     hashes (Spark's ``xxhash64`` of partition, offset, tombstone flag and every typed column,
-    the same expression the figures sum over the branch). A window of at most
-    ``BACKFILL_CONTENT_SAMPLE_ABOVE`` records is decoded whole: one altered value changes its
-    hour's sum (a miss needs a 64-bit hash collision). A larger one compares the 1-in-K sample
-    its decode covered (``Windows.content_sample``; the table side sums the same rows): a fault
-    touching m records escapes with probability (1 - 1/K)^m, stated in the metadata. Hours
+    the same expression the figures sum over the branch). An hour of at most
+    ``BACKFILL_CONTENT_SAMPLE_ABOVE`` records is decoded whole, whatever the run's length: one
+    altered value changes its hour's sum (a miss needs a 64-bit hash collision). A larger hour
+    compares the run's 1-in-K sample (``Windows.content_sample``; the table side sums the same
+    rows): a fault touching m of its records escapes with probability (1 - 1/K)^m, stated in
+    the metadata. Hours
     holding records of a schema version without a reference decode cannot be compared; they
     are listed, and pass."""
     windows = outcome.contract.windows
@@ -656,9 +656,13 @@ def _decoded_content(table_side: dict[str, Any], outcome: ReplayOutcome) -> Chec
     decoded = sum(v["decoded_rows"] for v in per_hour.values())
     rows = sum(v["rows"] for v in per_hour.values())
     sample = windows.content_sample
+    sampled_hours = sorted(hour_key(h) for h in sample.hours)
     what = "rows on the branch"
-    if sample > 1:
-        what += f" in the 1-in-{sample} sample"
+    if not sample.whole:
+        what += (
+            f" (every row of {len(per_hour) - len(sampled_hours)} hour(s); the 1-in-{sample.k}"
+            f" sample of residue {sample.residue} in {len(sampled_hours)} larger hour(s))"
+        )
     summary = (
         f"{rows} {what} vs {decoded} decoded independently from Kafka's bytes; "
         f"{len(bad)} hour(s) whose typed values differ"
@@ -683,9 +687,12 @@ def _decoded_content(table_side: dict[str, Any], outcome: ReplayOutcome) -> Chec
             "hours_not_compared": unverified,
             "decode_seconds": round(windows.decode_s, 3),
             "decoded_records": windows.decoded_records,
-            "sampled": sample > 1,
-            "sample_fraction": 1 / sample,
-            "miss_rate": _miss_rate(sample),
+            "sampled": not sample.whole,
+            # Decided per hour: the hours compared on their sample, the others whole.
+            "sampled_hours": sampled_hours,
+            "sample_fraction": 1 if sample.whole else 1 / sample.k,
+            "sample_residue": sample.residue,
+            "miss_rate": _miss_rate(1 if sample.whole else sample.k),
             "per_hour": per_hour,
         },
     )
