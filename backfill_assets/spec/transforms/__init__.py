@@ -148,18 +148,48 @@ def json_field(v: Column, path: str, spark_type: str) -> Column:
 # value outside stays NULL instead of failing the whole run.
 MIN_EPOCH_MS, MAX_EPOCH_MS = -62_135_596_800_000, 253_402_300_799_999
 
+# The one grammar of a timestamp written as text, which the replay (Spark) and the content
+# check's reference decode (Python) both follow: ISO-8601 ``yyyy[-m[m][-d[d][(T| )h[h]:m[m]
+# [:s[s][.fraction]]]]]`` with an optional zone ``Z``, ``UTC``, ``GMT`` or ``+-h[h][[:]mm]``
+# (none: UTC), padded by spaces, tabs or line breaks at most. Spark's cast accepts more
+# spellings (region zone names such as ``Europe/Paris``, and so local times in a daylight-saving
+# gap) that the reference could only imitate; any such value is NULL on both sides, so the two
+# never disagree on it (the contract then judges the NULL like any missing value).
+TIMESTAMP_TEXT = (
+    r"(?P<y>\d{4})(?:-(?P<mo>\d{1,2})(?:-(?P<d>\d{1,2})"
+    r"(?:[T ](?P<h>\d{1,2}):(?P<mi>\d{1,2})(?::(?P<s>\d{1,2})(?:\.(?P<f>\d*))?)?)?)?)?"
+    r"(?P<z>Z|UTC|GMT|[+-]\d{1,2}(?::?\d{2})?)?"
+)
+TIMESTAMP_PADDING = " \t\n\r"
+
 
 def json_timestamp(v: Column, path: str) -> Column:
-    """A timestamp from a JSON integer (epoch milliseconds) or a JSON string (ISO-8601; without
-    an offset it is read as UTC, the session's zone); NULL for any other kind or value."""
+    """A timestamp from a JSON integer (epoch milliseconds) or a JSON string in the grammar of
+    :data:`TIMESTAMP_TEXT` (without an offset it is read as UTC, the session's zone); NULL for
+    any other kind or value."""
     from pyspark.sql import functions as F
 
     millis = json_field(v, path, "bigint")
     text = json_field(v, path, "string")
     return F.coalesce(
         F.when(millis.between(MIN_EPOCH_MS, MAX_EPOCH_MS), F.timestamp_millis(millis)),
-        F.try_to_timestamp(text),
+        text_timestamp(text),
     )
+
+
+def text_timestamp(text: Column) -> Column:
+    """A timestamp from a string in the grammar of :data:`TIMESTAMP_TEXT` (Spark's cast,
+    session zone UTC), NULL for any other string: what upcasters use to read a text time, so
+    the reference decode (``reference.text_timestamp``) reads it alike."""
+    from pyspark.sql import functions as F
+
+    return F.when(text.rlike(_TIMESTAMP_TEXT_JAVA), F.try_to_timestamp(text))
+
+
+# TIMESTAMP_TEXT as a Java regex over the whole text (rlike finds; Java names groups (?<n>).
+_TIMESTAMP_TEXT_JAVA = (
+    rf"^[{TIMESTAMP_PADDING}]*(?:{TIMESTAMP_TEXT.replace('(?P<', '(?<')})[{TIMESTAMP_PADDING}]*\z"
+)
 
 
 def identity(columns: Sequence[NamedColumn]) -> Callable[[Column], dict[str, Column]]:

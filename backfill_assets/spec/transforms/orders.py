@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets.spec.transforms import MAX_EPOCH_MS, MIN_EPOCH_MS, json_field, reference
+from backfill_assets.spec.transforms import (
+    MAX_EPOCH_MS,
+    MIN_EPOCH_MS,
+    json_field,
+    reference,
+    text_timestamp,
+)
 from backfill_assets.spec.transforms.reference import Payload
 
 if TYPE_CHECKING:
@@ -31,7 +37,7 @@ def upcast_v1(v: Column) -> dict[str, Column]:
         **_common(v),
         "amount_minor": (amount * 100).cast("bigint"),
         "channel": F.lit("unknown"),
-        "event_time": F.try_to_timestamp(json_field(v, "$.event_time", "string")),
+        "event_time": text_timestamp(json_field(v, "$.event_time", "string")),
     }
 
 

@@ -25,7 +25,13 @@ from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from backfill_assets.spec.transforms import MAX_EPOCH_MS, MIN_EPOCH_MS, NamedColumn
+from backfill_assets.spec.transforms import (
+    MAX_EPOCH_MS,
+    MIN_EPOCH_MS,
+    TIMESTAMP_PADDING,
+    TIMESTAMP_TEXT,
+    NamedColumn,
+)
 
 Payload = Mapping[str, Any]
 Reference = Callable[[Payload], Mapping[str, Any]]
@@ -166,25 +172,18 @@ def millis_timestamp(millis: int | None) -> int | None:
     return millis * 1000
 
 
-_TIMESTAMP = re.compile(
-    r"(?P<y>\d{4})(?:-(?P<mo>\d{1,2})(?:-(?P<d>\d{1,2})"
-    r"(?:[T ](?P<h>\d{1,2}):(?P<mi>\d{1,2})(?::(?P<s>\d{1,2})(?:\.(?P<f>\d*))?)?)?)?)?"
-    r"(?P<z>Z|UTC|GMT|[+-]\d{1,2}(?::?\d{2})?)?",
-    re.ASCII,
-)
+_TIMESTAMP = re.compile(TIMESTAMP_TEXT, re.ASCII)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def text_timestamp(text: str | None) -> int | None:
-    """Spark's ``try_to_timestamp(text)`` (a cast to timestamp, session zone UTC) for the ISO-8601
-    forms: ``yyyy[-m[m][-d[d][(T| )h[h]:m[m][:s[s][.fraction]]]]]`` with an optional zone
-    ``Z``, ``UTC``, ``GMT`` or ``±h[h][[:]mm]`` (none: UTC), surrounding whitespace ignored; a
-    fraction beyond microseconds is truncated. As epoch microseconds; None for anything else
-    (Spark accepts a few more spellings, such as region zone names: such a value counts as a
-    disagreement, never as a match)."""
+    """Spark's ``try_to_timestamp(text)`` (a cast to timestamp, session zone UTC) for the
+    grammar both sides follow (:data:`backfill_assets.spec.transforms.TIMESTAMP_TEXT`); a
+    fraction beyond microseconds is truncated. As epoch microseconds; None for anything else,
+    as the replay's :func:`~backfill_assets.spec.transforms.json_timestamp` says NULL."""
     if text is None:
         return None
-    match = _TIMESTAMP.fullmatch(text.strip())
+    match = _TIMESTAMP.fullmatch(text.strip(TIMESTAMP_PADDING))
     if match is None:
         return None
     g = match.groupdict()
