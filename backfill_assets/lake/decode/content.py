@@ -83,15 +83,17 @@ def position_hash(partition: int, offset: int) -> int:
 class Sample:
     """Which records the content check compares. Every record of an hour not in ``hours``; in
     the hours of ``hours`` (epoch millis: hours holding more records than the decode covers
-    whole) the 1 in ``k`` whose position hash is ``residue`` modulo ``k``."""
+    whole) the 1 in ``k`` whose position hash is ``residue`` modulo ``k``; never the records
+    ``accepted`` names by (partition, offset) (an operator's ``accept``)."""
 
     k: int = 1
     residue: int = 0
     hours: frozenset[int] = frozenset()
+    accepted: frozenset[tuple[int, int]] = frozenset()
 
     @property
     def whole(self) -> bool:
-        return self.k == 1 or not self.hours
+        return (self.k == 1 or not self.hours) and not self.accepted
 
 
 def in_sample(
@@ -115,9 +117,15 @@ def sample_condition(sample: Sample) -> Column | None:
 
     if sample.whole:
         return None
-    picked = F.pmod(F.xxhash64("kafka_partition", "kafka_offset"), F.lit(sample.k))
-    hour = F.unix_millis("kafka_hour")
-    return (picked == sample.residue) | ~hour.isin(sorted(sample.hours))
+    chosen = F.lit(True)
+    if sample.k > 1 and sample.hours:
+        picked = F.pmod(F.xxhash64("kafka_partition", "kafka_offset"), F.lit(sample.k))
+        hour = F.unix_millis("kafka_hour")
+        chosen = (picked == sample.residue) | ~hour.isin(sorted(sample.hours))
+    if sample.accepted:
+        record = F.concat_ws(":", "kafka_partition", "kafka_offset")
+        chosen = chosen & ~record.isin(sorted(f"{p}:{o}" for p, o in sample.accepted))
+    return chosen
 
 
 def miss_bound(k: int, m: int) -> float:

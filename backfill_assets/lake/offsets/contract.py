@@ -98,6 +98,7 @@ def offset_contract(
     decode_sample: int = 1,
     decode_whole_up_to: int = 50_000,
     decode_residue: int = 0,
+    decode_accepted: frozenset[tuple[int, int]] = frozenset(),
 ) -> OffsetContract:
     """The exact offsets of hours ``[start, end)`` (see
     :func:`backfill_assets.lake.offsets.scan.scan`),
@@ -122,6 +123,7 @@ def offset_contract(
         decode_sample=decode_sample,
         decode_whole_up_to=decode_whole_up_to,
         decode_residue=decode_residue,
+        decode_accepted=decode_accepted,
     )
     return OffsetContract(topic, start, end, windows.ranges, windows.kafka_start, windows)
 
@@ -172,6 +174,7 @@ def window_contract(
         decode_whole_up_to=settings.content_sample_above,
         # Drawn per run, so a re-run of a large hour compares other records than the last run.
         decode_residue=secrets.randbelow(settings.content_sample),
+        decode_accepted=ledger.accepted(cat, settings.catalog.namespace, raw_name, read),
     )
     return replace(
         contract,

@@ -68,9 +68,11 @@ SCHEMA = pa.schema(
         pa.field("superseded_hours", pa.string()),
         # derived tables: JSON {input table: {"snapshot_id": n, "sequence_number": n}}
         pa.field("reads", pa.string()),
-        # raw publish and adopt rows: the topic's log (Kafka topic id and cluster id)
+        # raw publish, adopt and accept rows: the topic's log (Kafka topic id and cluster id)
         pa.field("topic_id", pa.string()),
         pa.field("cluster_id", pa.string()),
+        # accept rows: why an operator accepted the record (``offsets`` names it)
+        pa.field("reason", pa.string()),
     ]
 )
 # The table property a rollback sets in the same catalog commit that moves main back: the
@@ -242,6 +244,53 @@ def record_adopt(
             )
         ],
     )
+
+
+def record_accept(
+    catalog: Catalog,
+    namespace: str,
+    table_name: str,
+    identity: TopicIdentity,
+    record: tuple[int, int],
+    *,
+    reason: str,
+    by: str,
+) -> None:
+    """An ``accept`` row: the record at (partition, offset) ``record`` of the log ``identity``
+    is left out of the ``decoded_content`` comparison of ``table_name`` (a raw table) from now
+    on, because the reference decode and the replay read it differently and an operator
+    judged the replay's row right (``reason`` says why)."""
+    partition, offset = record
+    _append(
+        catalog,
+        namespace,
+        [
+            _row(
+                "accept",
+                table_name,
+                datetime.now(UTC),
+                run_id=by,
+                offsets=json.dumps({str(partition): [offset, offset + 1]}),
+                topic_id=identity.topic_id,
+                cluster_id=identity.cluster_id,
+                reason=reason,
+            )
+        ],
+    )
+
+
+def accepted(
+    catalog: Catalog, namespace: str, table_name: str, identity: TopicIdentity
+) -> frozenset[tuple[int, int]]:
+    """The (partition, offset) of every record of the log ``identity`` an ``accept`` row
+    names for ``table_name``."""
+    out = set()
+    for row in _rows(catalog, namespace, table_name):
+        if row["event"] != "accept" or row.get("topic_id") != identity.topic_id:
+            continue
+        for p, (start, _end) in json.loads(row["offsets"]).items():
+            out.add((int(p), int(start)))
+    return frozenset(out)
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,7 @@ class _Decoding:
     sample: int
     whole_up_to: int
     residue: int = 0
+    accepted: frozenset[tuple[int, int]] = frozenset()  # records left out (operator's accept)
     seconds: float = 0.0
     decoded: int = 0
     hour_records: dict[int, int] = field(default_factory=dict)  # hour index -> records seen
@@ -162,6 +163,8 @@ class _Decoding:
         position: int | None = None,
     ) -> None:
         seen = self.hour_records[hour] = self.hour_records.get(hour, 0) + 1
+        if self.accepted and (partition, offset) in self.accepted:
+            return
         picked = in_sample(partition, offset, self.sample, position, self.residue)
         if not picked:
             if hour in self.sampled:
@@ -182,7 +185,9 @@ class _Decoding:
         for hour, cells in windows.cells.items():
             for cell in cells.values():
                 cell.settle(_ms(hour) not in sampled)
-        return Sample(self.sample, self.residue, sampled) if sampled else Sample()
+        if not sampled:
+            return Sample(accepted=self.accepted)
+        return Sample(self.sample, self.residue, sampled, self.accepted)
 
 
 def scan(
@@ -200,6 +205,7 @@ def scan(
     decode_sample: int = 1,
     decode_whole_up_to: int = 50_000,
     decode_residue: int = 0,
+    decode_accepted: frozenset[tuple[int, int]] = frozenset(),
 ) -> Windows:
     """The windows of hours ``[start, end)`` of ``topic`` and Kafka's figures for each.
 
@@ -213,7 +219,8 @@ def scan(
     decode of :mod:`backfill_assets.lake.decode.content`) and the cells sum what it says: every
     record of an hour holding at most ``decode_whole_up_to`` records, else the 1 in
     ``decode_sample`` that :func:`~backfill_assets.lake.decode.content.in_sample` picks for
-    ``decode_residue`` (``Windows.content_sample`` says which).
+    ``decode_residue`` (``Windows.content_sample`` says which), never the records
+    ``decode_accepted`` names.
     """
     now = now or datetime.now(UTC)
     if end > now:
@@ -225,7 +232,9 @@ def scan(
     bounds = [*hours_between(start, end), end]
     decoding = None
     if decode is not None:
-        decoding = _Decoding(decode, decode_sample, decode_whole_up_to, decode_residue)
+        decoding = _Decoding(
+            decode, decode_sample, decode_whole_up_to, decode_residue, decode_accepted
+        )
     ends = kafka.log_ends(topic)
     parts = sorted(ends)
     cursors = {

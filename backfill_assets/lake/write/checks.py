@@ -675,6 +675,12 @@ def _decoded_content(table_side: dict[str, Any], outcome: ReplayOutcome) -> Chec
         )
     if unverified:
         summary += f"; {len(unverified)} hour(s) not compared (a version without a decoder)"
+    ranges = windows.ranges
+    accepted = sorted(
+        f"{p}:{o}" for p, o in sample.accepted if p in ranges and ranges[p][0] <= o < ranges[p][1]
+    )
+    if accepted:
+        summary += f"; {len(accepted)} record(s) accepted by an operator, not compared"
     return CheckOutcome(
         "decoded_content",
         not bad,
@@ -692,6 +698,8 @@ def _decoded_content(table_side: dict[str, Any], outcome: ReplayOutcome) -> Chec
             "sampled_hours": sampled_hours,
             "sample_fraction": 1 if sample.whole else 1 / sample.k,
             "sample_residue": sample.residue,
+            # Records (partition:offset) an operator's `backfill-assets accept` left out.
+            "accepted_records": accepted,
             "miss_rate": _miss_rate(1 if sample.whole else sample.k),
             "per_hour": per_hour,
         },
