@@ -118,6 +118,13 @@ def test_an_accepted_record_no_longer_fails_its_hour_and_only_it(
         assert not first.success
         check = _decoded_content(first)
         assert not check.passed and check.metadata["hours_that_differ"].value == [HOUR.isoformat()]
+        # The failure names the two records and the command that accepts one.
+        named = check.metadata["differing_records"].value
+        assert [(d["partition"], d["offset"]) for d in named] == [(0, o1), (0, o2)]
+        assert {d["why"] for d in named} == {"the typed values of its row differ"}
+        assert f"backfill-assets accept --topic {topic} --partition 0 --offset {o1}" in str(
+            check.description
+        )
 
         # A wrong argument says what is allowed; nothing is recorded.
         code = cli.main(["accept", "--topic", topic, "--partition", "0", "--offset", str(end + 99),
@@ -132,7 +139,10 @@ def test_an_accepted_record_no_longer_fails_its_hour_and_only_it(
         assert (doc["partition"], doc["offset"]) == (0, o1)
         second = materialize_range([build_raw_asset(spec)], instance, HOUR, raise_on_error=False)
         assert not second.success
-        assert _decoded_content(second).metadata["accepted_records"].value == [f"0:{o1}"]
+        check = _decoded_content(second)
+        assert check.metadata["accepted_records"].value == [f"0:{o1}"]
+        named = check.metadata["differing_records"].value
+        assert [(d["partition"], d["offset"]) for d in named] == [(0, o2)]
 
         assert cli.main(["accept", "--topic", topic, "--partition", "0", "--offset", str(o2),
                          "--reason", "same cause"]) == 0  # fmt: skip

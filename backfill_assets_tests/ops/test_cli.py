@@ -40,6 +40,7 @@ def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]
 
 def test_every_command_is_there() -> None:
     assert COMMANDS == [
+        "accept",
         "adopt",
         "archive",
         "audit",

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from backfill_assets.lake.decode.content import Sample, miss_bound, sample_condition
 from backfill_assets.lake.offsets.contract import window_filter
 from backfill_assets.lake.offsets.windows import hour_key
+from backfill_assets.lake.write import record_diff
 from backfill_assets.lake.write.replay import ReplayOutcome
 from backfill_assets.lake.write.schema_contract import (
     contract_failures,
@@ -124,9 +125,31 @@ def run_checks(spark: SparkSession, spec: TopicSpec, outcome: ReplayOutcome) -> 
         else contract_outcome(counted, spec.columns),
         _uniqueness(table_side),
         _quarantine_ratio(spec, outcome),
-        _decoded_content(table_side, outcome),
+        _named(spark, spec, outcome, _decoded_content(table_side, outcome)),
         records_kept(spark, outcome),
     ]
+
+
+def _named(
+    spark: SparkSession, spec: TopicSpec, outcome: ReplayOutcome, check: CheckOutcome
+) -> CheckOutcome:
+    """A failed ``decoded_content`` with the records that differ, by partition and offset,
+    and the command that accepts one (:mod:`~backfill_assets.lake.write.record_diff`)."""
+    hours = check.metadata.get("hours_that_differ")
+    if check.passed or not hours:
+        return check
+    found = record_diff.differing_records(spark, spec, outcome, hours)
+    check.metadata["differing_records"] = found
+    if found:
+        first = found[0]
+        named = ", ".join(f"{f['partition']}:{f['offset']} ({f['why']})" for f in found[:3])
+        check.summary += (
+            f". Records that differ: {named}. Fix the transform or decoder and re-run; if the "
+            f"run's row is right, `backfill-assets accept --topic {spec.topic} --partition "
+            f'{first["partition"]} --offset {first["offset"]} --reason "..."` leaves that '
+            "record out of the comparison"
+        )
+    return check
 
 
 def table_figures(
@@ -186,13 +209,11 @@ def _figure_inputs(
     hash, else NULL)."""
     from pyspark.sql import functions as F
 
-    content_cols = ["kafka_partition", "kafka_offset", "is_tombstone"]
-    content_cols += [c.name for c in spec.columns]
     event = ~F.col("is_tombstone")
     event_hour = F.when(event, F.unix_millis(F.date_trunc("hour", F.col(spec.event_time_field))))
     (id_type,) = [c.type for c in spec.columns if c.name == spec.event_id_field]
     payload = F.xxhash64(*[F.col(c.name) for c in spec.columns])
-    content = F.xxhash64(*[F.col(c) for c in content_cols])
+    content = record_diff.content_hash(spec)
     sampled: list[Column] = []
     unsampled: list[Column] = []
     chosen = sample_condition(content_sample or Sample())
@@ -626,9 +647,8 @@ def _decoded_content(table_side: dict[str, Any], outcome: ReplayOutcome) -> Chec
     altered value changes its hour's sum (a miss needs a 64-bit hash collision). A larger hour
     compares the run's 1-in-K sample (``Windows.content_sample``; the table side sums the same
     rows): a fault touching m of its records escapes with probability (1 - 1/K)^m, stated in
-    the metadata. Hours
-    holding records of a schema version without a reference decode cannot be compared; they
-    are listed, and pass."""
+    the metadata. Hours holding records of a schema version without a reference decode cannot
+    be compared; they are listed, and pass. Records an operator accepted are left out."""
     windows = outcome.contract.windows
     assert windows is not None
     if not windows.decoded:
@@ -638,27 +658,14 @@ def _decoded_content(table_side: dict[str, Any], outcome: ReplayOutcome) -> Chec
             "no independent decode was made for this window (contract.window_contract makes it)",
             {},
         )
-    kafka = windows.hour_figures()
-    mine = table_side["content_rows_per_hour"]
-    bad, unverified, per_hour = [], [], {}
-    for hour in sorted(set(kafka) | set(mine)):
-        k = kafka.get(hour, {})
-        figures = {
-            "decoded_rows": k.get("decoded_rows", 0),
-            "rows": mine.get(hour, 0),
-            "same_content": k.get("decoded_sum", 0) == table_side["content_per_hour"].get(hour, 0),
-        }
-        per_hour[hour] = figures
-        if k.get("unverified", 0):
-            unverified.append(hour)
-        elif figures["decoded_rows"] != figures["rows"] or not figures["same_content"]:
-            bad.append(hour)
+    bad, unverified, per_hour = _content_hours(windows.hour_figures(), table_side)
     decoded = sum(v["decoded_rows"] for v in per_hour.values())
     rows = sum(v["rows"] for v in per_hour.values())
     sample = windows.content_sample
     sampled_hours = sorted(hour_key(h) for h in sample.hours)
+    sampled = sample.k > 1 and bool(sample.hours)
     what = "rows on the branch"
-    if not sample.whole:
+    if sampled:
         what += (
             f" (every row of {len(per_hour) - len(sampled_hours)} hour(s); the 1-in-{sample.k}"
             f" sample of residue {sample.residue} in {len(sampled_hours)} larger hour(s))"
@@ -693,17 +700,39 @@ def _decoded_content(table_side: dict[str, Any], outcome: ReplayOutcome) -> Chec
             "hours_not_compared": unverified,
             "decode_seconds": round(windows.decode_s, 3),
             "decoded_records": windows.decoded_records,
-            "sampled": not sample.whole,
+            "sampled": sampled,
             # Decided per hour: the hours compared on their sample, the others whole.
             "sampled_hours": sampled_hours,
-            "sample_fraction": 1 if sample.whole else 1 / sample.k,
+            "sample_fraction": 1 / sample.k if sampled else 1,
             "sample_residue": sample.residue,
             # Records (partition:offset) an operator's `backfill-assets accept` left out.
             "accepted_records": accepted,
-            "miss_rate": _miss_rate(1 if sample.whole else sample.k),
+            "miss_rate": _miss_rate(sample.k if sampled else 1),
             "per_hour": per_hour,
         },
     )
+
+
+def _content_hours(
+    kafka: dict[str, dict[str, int]], table_side: dict[str, Any]
+) -> tuple[list[str], list[str], dict[str, dict[str, Any]]]:
+    """Per hour, the decode's rows and sum (``kafka``) against the table's: the hours that
+    differ, the hours not compared (a version without a decoder) and every hour's figures."""
+    mine = table_side["content_rows_per_hour"]
+    bad, unverified, per_hour = [], [], {}
+    for hour in sorted(set(kafka) | set(mine)):
+        k = kafka.get(hour, {})
+        figures = {
+            "decoded_rows": k.get("decoded_rows", 0),
+            "rows": mine.get(hour, 0),
+            "same_content": k.get("decoded_sum", 0) == table_side["content_per_hour"].get(hour, 0),
+        }
+        per_hour[hour] = figures
+        if k.get("unverified", 0):
+            unverified.append(hour)
+        elif figures["decoded_rows"] != figures["rows"] or not figures["same_content"]:
+            bad.append(hour)
+    return bad, unverified, per_hour
 
 
 def records_kept(spark: SparkSession, outcome: ReplayOutcome) -> CheckOutcome:
