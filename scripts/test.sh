@@ -2,7 +2,7 @@
 # The project's test command (README; CI runs it through .ci/run):
 # install, lint, type-check, validate the Dagster definitions, then pytest.
 # The default tier uses the real Kafka broker, Spark and Iceberg catalog. Marked tiers
-# (faults, browser, slow, convergence, cluster) run after it when BACKFILL_TEST_TIERS lists them (CI sets it).
+# (faults, browser, slow, convergence, cluster, cdc) run after it when BACKFILL_TEST_TIERS lists them (CI sets it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
@@ -30,13 +30,14 @@ done
 
 echo "== pytest (default tier)"
 # --durations: the slowest tests are named in every log, to keep this tier near 20 minutes.
-.venv/bin/python -m pytest -m "not faults and not browser and not slow and not convergence and not cluster" \
+.venv/bin/python -m pytest \
+  -m "not faults and not browser and not slow and not convergence and not cluster and not cdc" \
   --durations=30 "$@"
 # With BACKFILL_TIERS_BUDGET_S (CI sets it below its time limit), a tier whose worst measured
 # time would end past the budget is skipped, and says so, instead of the whole run being cut
 # off at the limit. The worst times (seconds, the cluster tier with its production-shaped
 # stack) are about 1.5x the slowest runs measured (docs/ci.md).
-declare -A worst_s=([convergence]=900 [cluster]=1500 [browser]=180 [slow]=1800 [faults]=1000)
+declare -A worst_s=([convergence]=900 [cluster]=1500 [browser]=180 [slow]=1800 [faults]=1000 [cdc]=90)
 for tier in $tiers; do
   if [ -n "${BACKFILL_TIERS_BUDGET_S:-}" ] \
     && [ $((SECONDS + ${worst_s[$tier]:-0})) -gt "$BACKFILL_TIERS_BUDGET_S" ]; then

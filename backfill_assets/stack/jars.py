@@ -22,8 +22,9 @@ MAVEN_DIR = Path(__file__).resolve().parent / "maven"
 # spark-cloud: Postgres JDBC driver and S3 (only on Spark's classpath for a Postgres catalog or
 # an s3:// warehouse/archive); s3proxy: the test tier's object store, never on Spark's classpath;
 # spark-formats: spark-avro and protobuf-java, for decoding schema-registry topics (in
-# spark.jars: from_avro; the udf jar's ProtobufRow).
-JAR_SETS = ("kafka-broker", "spark", "spark-cloud", "s3proxy", "spark-formats")
+# spark.jars: from_avro; the udf jar's ProtobufRow); kafka-connect: the CDC source's Kafka
+# Connect worker with Debezium's Postgres connector (stack/cdc.py), never on Spark's classpath.
+JAR_SETS = ("kafka-broker", "spark", "spark-cloud", "s3proxy", "spark-formats", "kafka-connect")
 _STAMP = ".resolved-pom.sha256"
 
 

@@ -240,6 +240,13 @@ class Settings:
     # None: the local one ``stack up`` starts on 127.0.0.1:BACKFILL_SCHEMA_REGISTRY_PORT).
     schema_registry_url_setting: str | None = None
     schema_registry_port: int = 18081
+    # The CDC source (issue 48; stack/cdc.py), local only: the Postgres with logical decoding
+    # (BACKFILL_CDC_POSTGRES_PORT) and the Kafka Connect worker running Debezium's connector
+    # (REST API on BACKFILL_KAFKA_CONNECT_PORT, heap BACKFILL_KAFKA_CONNECT_HEAP), both on
+    # 127.0.0.1, their state under <home>/postgres and <home>/kafka-connect.
+    cdc_postgres_port: int = 15432
+    kafka_connect_port: int = 18083
+    kafka_connect_heap: str = "512m"
 
     @property
     def schema_registry_url(self) -> str:
@@ -326,6 +333,9 @@ class Settings:
             spark_connect_port=_port(env, "BACKFILL_SPARK_CONNECT_PORT", 15002),
             schema_registry_url_setting=_schema_registry_url(env),
             schema_registry_port=_port(env, "BACKFILL_SCHEMA_REGISTRY_PORT", 18081),
+            cdc_postgres_port=_port(env, "BACKFILL_CDC_POSTGRES_PORT", 15432),
+            kafka_connect_port=_port(env, "BACKFILL_KAFKA_CONNECT_PORT", 18083),
+            kafka_connect_heap=_memory(env, "BACKFILL_KAFKA_CONNECT_HEAP", "512m") or "512m",
         )
 
 

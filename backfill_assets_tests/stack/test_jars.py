@@ -19,6 +19,7 @@ def test_second_resolution_does_nothing(stack_settings: Settings) -> None:
         "spark-cloud": False,
         "s3proxy": False,
         "spark-formats": False,
+        "kafka-connect": False,
     }
     names = {p.name for p in jars.jars(stack_settings, "kafka-broker")}
     assert any(n.startswith("kafka_2.13-4.") for n in names)

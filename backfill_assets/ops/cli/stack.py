@@ -110,15 +110,25 @@ def catalog_command(ui: Ui, settings: Settings, action: str) -> int:
 
 @click.command("stack")
 @click.argument("action", type=click.Choice(["up", "down", "status"]))
+@click.option(
+    "--cdc",
+    is_flag=True,
+    help="up: also start the CDC source (Postgres with logical decoding on "
+    "BACKFILL_CDC_POSTGRES_PORT, a Kafka Connect worker with Debezium's Postgres connector on "
+    "BACKFILL_KAFKA_CONNECT_PORT) and capture its demo table public.accounts into the topic "
+    "cdc_demo.public.accounts",
+)
 @with_ui
-def stack_command(ui: Ui, settings: Settings, action: str) -> int:
+def stack_command(ui: Ui, settings: Settings, action: str, cdc: bool) -> int:
     """The whole local stack: jars, catalog, broker, the schema registry (unless
     BACKFILL_SCHEMA_REGISTRY_URL names one; port BACKFILL_SCHEMA_REGISTRY_PORT), and the Spark
     Connect server that runs reach when BACKFILL_SPARK_CONNECT names it (port
-    BACKFILL_SPARK_CONNECT_PORT)."""
+    BACKFILL_SPARK_CONNECT_PORT); with ``--cdc``, the CDC source too (``down`` stops it
+    whenever it runs)."""
     broker = LocalBroker(settings)
     server = LocalConnectServer(settings)
     if action == "down":
+        cdc_doc = _cdc(ui, settings, action, wanted=cdc)
         registry_stopped = LocalRegistry(settings).stop()
         ui.line(
             "schema registry stopped" if registry_stopped else "schema registry was not running"
@@ -132,6 +142,7 @@ def stack_command(ui: Ui, settings: Settings, action: str) -> int:
                 "stopped": stopped,
                 "spark_connect_stopped": spark_stopped,
                 "schema_registry_stopped": registry_stopped,
+                **(cdc_doc or {}),
             }
         )
         return 0
@@ -160,8 +171,46 @@ def stack_command(ui: Ui, settings: Settings, action: str) -> int:
     doc["broker"] = asdict(status)
     doc["schema_registry"] = asdict(registry_status)
     doc["spark_connect"] = asdict(spark_status)
+    cdc_doc = _cdc(ui, settings, action, wanted=cdc)
+    if cdc_doc is not None:
+        doc["cdc"] = cdc_doc
     ui.emit(doc)
     return 0
+
+
+def _cdc(ui: Ui, settings: Settings, action: str, *, wanted: bool) -> dict[str, Any] | None:
+    """The CDC source's part of ``stack``: ``up --cdc`` starts it with its demo table and
+    connector; ``down`` stops whatever of it runs; ``status`` reports it when it runs or is
+    asked for. None: nothing to report."""
+    from backfill_assets.demo import cdc as demo
+    from backfill_assets.stack.cdc import CdcSource
+
+    source = CdcSource(settings)
+    if action == "down":
+        worker_stopped, postgres_stopped = source.stop()
+        if worker_stopped or postgres_stopped or wanted:
+            ui.line("kafka connect " + ("stopped" if worker_stopped else "was not running"))
+            ui.line("cdc postgres " + ("stopped" if postgres_stopped else "was not running"))
+        return {"kafka_connect_stopped": worker_stopped, "cdc_postgres_stopped": postgres_stopped}
+    topic = None
+    if action == "up" and wanted:
+        with ui.spinner("starting the CDC source (Postgres, Kafka Connect, Debezium)"):
+            _, topic = demo.start(source)
+    postgres_pid = source.postgres.running_pid()
+    worker = source.worker.status()
+    if not wanted and postgres_pid is None and not worker.running:
+        return None
+    where = f"127.0.0.1:{source.postgres.port}"
+    pid = f" pid={postgres_pid}" if postgres_pid is not None else ""
+    ui.line(f"cdc postgres {'running' if postgres_pid else 'stopped'} {where}{pid}")
+    ui.line(worker.describe())
+    if topic:
+        ui.line(f"cdc demo: table {demo.TABLE} of database {demo.DATABASE} -> topic {topic}")
+    return {
+        "postgres": {"pid": postgres_pid, "address": where, "data": str(source.postgres.root)},
+        "kafka_connect": asdict(worker),
+        "topic": topic,
+    }
 
 
 def _registry(settings: Settings, *, start: bool) -> RegistryStatus:
