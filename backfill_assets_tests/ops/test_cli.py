@@ -54,6 +54,7 @@ def test_every_command_is_there() -> None:
         "maintain",
         "materialize",
         "plan",
+        "quarantine",
         "report-empty",
         "rollback",
         "stack",

@@ -8,10 +8,10 @@ its ``kind`` (:class:`~.common.Exit`): 2 wrong arguments or settings (as click's
 progress bars and notes always go to stderr (:mod:`.output`).
 
 This package holds the root group and :func:`main`; the commands are in one module per group
-(:mod:`.stack`, :mod:`.backfill`, :mod:`.rollback`, :mod:`.upkeep`, :mod:`.adopt`, :mod:`.accept`,
-:mod:`.columns`), what they share in :mod:`.common` and all rendering in :mod:`.output`. All
-click and rich code of the project is in this package; the library reports progress through
-plain callbacks.
+(:mod:`.stack`, :mod:`.backfill`, :mod:`.rollback`, :mod:`.upkeep`, :mod:`.adopt`,
+:mod:`.accept`, :mod:`.quarantine`, :mod:`.columns`), what they share in :mod:`.common` and
+all rendering in :mod:`.output`. All click and rich code of the project is in this package;
+the library reports progress through plain callbacks.
 """
 
 from __future__ import annotations
@@ -28,7 +28,16 @@ import click
 import dagster as dg
 
 from backfill_assets.errors import BackfillError, ErrorKind
-from backfill_assets.ops.cli import accept, adopt, backfill, columns, rollback, stack, upkeep
+from backfill_assets.ops.cli import (
+    accept,
+    adopt,
+    backfill,
+    columns,
+    quarantine,
+    rollback,
+    stack,
+    upkeep,
+)
 from backfill_assets.ops.cli.common import Exit
 from backfill_assets.ops.cli.output import Ui
 from backfill_assets.stack.settings import REPO_ROOT
@@ -162,6 +171,7 @@ for _command in (
     upkeep.report_empty_command,
     adopt.adopt_command,
     accept.accept_command,
+    quarantine.quarantine_command,
     columns.columns_command,
 ):
     cli.add_command(_command)

@@ -8,7 +8,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -27,6 +27,7 @@ from backfill_assets.ops.cli.common import (
     with_ui,
 )
 from backfill_assets.ops.cli.output import Table, Ui
+from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import Settings
 
 if TYPE_CHECKING:
@@ -62,12 +63,27 @@ def materialize_command(
     order: raw and current-state tables cover [start, end); each declared table covers the
     event-time hours whose events have all arrived within the range. Exits 4 if a run fails.
     """
-    from backfill_assets.defs.definitions import defs
-
     spec, first_hour, end_hour = topic_range(topic, start, end)
+    runs, failed = run_in_process(ui, spec, first_hour, end_hour, accept=accept)
+    ui.emit({"topic": spec.topic, "succeeded": failed is None, "runs": runs})
+    if failed is not None:
+        ui.note(f"error: run {failed.run_id} failed: {_failure_of(failed)}")
+        return Exit.FAILED
+    return 0
+
+
+def run_in_process(
+    ui: Ui, spec: TopicSpec, first_hour: datetime, end_hour: datetime, *, accept: bool = False
+) -> tuple[list[dict[str, Any]], dg.ExecuteInProcessResult | None]:
+    """Materialize ``[first_hour, end_hour)`` of the topic's tables in this process, in
+    dependency order, on the instance of $DAGSTER_HOME; the runs, and the first that failed
+    (None: all succeeded; no run starts after a failure). The Definitions are those of the
+    spec the commands read (:func:`common.specs`), the same the code location loads."""
+    from backfill_assets.defs.definitions import build_defs
+
     plan = ranges(spec, first_hour, end_hour)
     instance = dg.DagsterInstance.get()
-    job = defs.resolve_implicit_global_asset_job_def()
+    job = build_defs(list(common.specs().values())).resolve_implicit_global_asset_job_def()
     total = sum(hours(first, stop) * len(keys) for keys, first, stop in plan)
     runs: list[dict[str, Any]] = []
     done = 0
@@ -99,14 +115,11 @@ def materialize_command(
                 }
             )
             if not result.success:
-                ui.emit({"topic": spec.topic, "succeeded": False, "runs": runs})
-                ui.note(f"error: run {result.run_id} failed: {_failure_of(result)}")
-                return Exit.FAILED
+                return runs, result
             done += hours(first, stop) * len(keys)
             update(done, None)
             ui.line(f"run {result.run_id} succeeded")
-    ui.emit({"topic": spec.topic, "succeeded": True, "runs": runs})
-    return 0
+    return runs, None
 
 
 def _failure_of(result: dg.ExecuteInProcessResult) -> str:
