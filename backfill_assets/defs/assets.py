@@ -35,6 +35,28 @@ def raw_asset_key(spec: TopicSpec) -> dg.AssetKey:
     return dg.AssetKey(["raw", spec.name])
 
 
+def quarantine_asset_key(spec: TopicSpec) -> dg.AssetKey:
+    return dg.AssetKey(["quarantine", spec.name])
+
+
+def quarantine_asset(spec: TopicSpec) -> dg.AssetSpec:
+    """The topic's quarantine table as an asset of its own: each raw publish records a
+    materialization of it with the window's quarantined records per reason (written by the raw
+    asset's runs, so nothing materializes it alone; ``backfill-assets quarantine`` lists it
+    all and re-runs its hours)."""
+    return dg.AssetSpec(
+        key=quarantine_asset_key(spec),
+        description=(
+            f"Records of Kafka topic {spec.topic!r} that could not become rows, with their "
+            "offsets and a reason (published with the raw rows of the same run)."
+        ),
+        deps=[raw_asset_key(spec)],
+        group_name="raw",
+        kinds={"iceberg"},
+        metadata={"dagster/table_name": table_name(spec.quarantine_table)},
+    )
+
+
 def table_asset_key(name: str) -> dg.AssetKey:
     """The asset of a declared table (or of a current-state table) by its table name."""
     return dg.AssetKey(["lakehouse", name])
@@ -354,6 +376,18 @@ def _replay_raw(
             "written": "dagster/partition_row_count",
             "quarantined": "quarantined",
         },
+    )
+    context.log_event(
+        dg.AssetMaterialization(
+            asset_key=quarantine_asset_key(spec),
+            description=f"quarantined records of {_span(window.start, window.end)}",
+            metadata={
+                "hours": _span(window.start, window.end),
+                "quarantined": outcome.quarantined,
+                "reasons": dg.MetadataValue.json(outcome.quarantine_reasons),
+                "list": f"backfill-assets quarantine --topic {spec.topic}",
+            },
+        )
     )
     yield dg.MaterializeResult(
         metadata=_raw_metadata(

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import dagster as dg
 
 from backfill_assets.defs.archiver import build_archive_asset, build_archive_schedule
-from backfill_assets.defs.assets import build_topic_assets
+from backfill_assets.defs.assets import build_topic_assets, quarantine_asset
 from backfill_assets.defs.maintenance import build_maintenance_defs
 from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
 from backfill_assets.defs.sensors import build_gap_sensor, build_late_data_sensor
@@ -83,6 +83,7 @@ def build_defs(specs: Sequence[TopicSpec]) -> dg.Definitions:
             "ignore", message="Parameter `backfill_policy`", category=dg.BetaWarning
         )
         assets += [asset for spec in specs for asset in build_topic_assets(spec, specs)]
+    assets += [quarantine_asset(spec) for spec in specs]
     sensors = [
         sensor
         for spec in specs

@@ -16,9 +16,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import dagster as dg
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
+from backfill_assets.defs.assets import quarantine_asset_key
 from backfill_assets.defs.definitions import SPECS
 from backfill_assets.demo.generator import GeneratorConfig, generate
 from backfill_assets.ops import cli
@@ -100,6 +102,12 @@ def test_quarantine_is_listed_and_its_hours_rerun_after_a_fix(
     assert {g["hour"] for g in listed["groups"]} == {hour}
     others = {r: g["records"] for r, g in by_reason.items() if r != "unknown_schema_version:9"}
     assert others, "the generator wrote no other malformed record in the hour"
+    # The quarantine table is an asset: the raw publish recorded its per-reason counts.
+    with dg.DagsterInstance.get() as instance:
+        event = instance.get_latest_materialization_event(quarantine_asset_key(spec))
+    assert event is not None and event.asset_materialization is not None
+    reasons = event.asset_materialization.metadata["reasons"].value
+    assert reasons == {r: g["records"] for r, g in by_reason.items()}
 
     # The fix: the spec reads version 9 as version 2.
     specs[topic] = renamed(
