@@ -178,6 +178,9 @@ class MaintenanceSettings:
     running_grace: timedelta = timedelta(hours=24)
     cron: str = "17 3 * * *"
     schedules_running: bool = True
+    # Quarantine tables: the raw key and value bytes of records quarantined longer ago than
+    # this (by Kafka hour) are dropped, their hash and lengths kept (None: kept for good).
+    quarantine_bytes_retention: timedelta | None = None
 
 
 @dataclass(frozen=True)
@@ -434,7 +437,16 @@ def _maintenance(env: Mapping[str, str]) -> MaintenanceSettings:
         running_grace=timedelta(hours=_int(env, prefix + "RUNNING_GRACE_HOURS", 24)),
         cron=cron,
         schedules_running=_switch(env, prefix + "SCHEDULES", default=True),
+        quarantine_bytes_retention=_quarantine_bytes(env),
     )
+
+
+def _quarantine_bytes(env: Mapping[str, str]) -> timedelta | None:
+    """``BACKFILL_QUARANTINE_BYTES_DAYS``: days a quarantined record's raw bytes are kept
+    (unset: for good; 0: dropped by the next maintenance pass)."""
+    if not env.get("BACKFILL_QUARANTINE_BYTES_DAYS"):
+        return None
+    return timedelta(days=_int(env, "BACKFILL_QUARANTINE_BYTES_DAYS", 0, zero_ok=True))
 
 
 # The sparsest content sample allowed: 1 in 1024 still catches a fault touching 5,000 records

@@ -23,7 +23,15 @@ def test_asset_keys_and_resources() -> None:
     repo = defs.get_repository_def()
     assert set(repo.get_top_level_resources()) >= {"kafka", "spark", "iceberg"}
     graph = defs.resolve_asset_graph()
-    assert set(graph.get_all_asset_keys()) == {TOPIC, RAW, HOURLY, CURRENT, LARGE, ARCHIVE, QUARANTINE}
+    assert set(graph.get_all_asset_keys()) == {
+        TOPIC,
+        RAW,
+        HOURLY,
+        CURRENT,
+        LARGE,
+        ARCHIVE,
+        QUARANTINE,
+    }
     sensors = {s.name: s for s in defs.sensors or []}
     assert set(sensors) == {"orders_offset_gaps", "orders_late_data", "orders_observe_topic"}
     assert set(sensors["orders_offset_gaps"].asset_selection.resolve(graph)) == {  # type: ignore[union-attr]

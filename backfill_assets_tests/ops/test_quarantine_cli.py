@@ -132,3 +132,28 @@ def test_quarantine_is_listed_and_its_hours_rerun_after_a_fix(
     assert sorted(r["kafka_offset"] for r in got.collect()) == v9
     code, after = _cli(capsys, "quarantine", "--topic", topic)
     assert "unknown_schema_version:9" not in {g["reason"] for g in after["groups"]}
+
+    # Raw bytes are kept for BACKFILL_QUARANTINE_BYTES_DAYS: maintenance then drops them and
+    # keeps each record's hash and byte lengths.
+    qtable = f"lake.{stack_settings.catalog.namespace}.{spec.quarantine_table}"
+    columns = "kafka_offset, record_hash, length(kafka_key) AS k, length(kafka_value) AS v"
+    before = {
+        r[0]: tuple(r[1:]) for r in spark_session.sql(f"SELECT {columns} FROM {qtable}").collect()
+    }
+    assert before and all(v is not None for _, _, v in before.values())
+    for step in ("COMPACTION", "EXPIRE", "ORPHANS", "BRANCHES"):
+        monkeypatch.setenv(f"BACKFILL_MAINTENANCE_{step}", "false")
+    monkeypatch.setenv("BACKFILL_QUARANTINE_BYTES_DAYS", "0")
+    code = cli.main(["maintain", "--table", spec.quarantine_table])
+    printed = capsys.readouterr()
+    assert code == 0, printed
+    assert "quarantine_bytes" in printed.out + printed.err
+    spark_session.catalog.refreshTable(qtable)
+    kept = spark_session.sql(
+        f"SELECT kafka_offset, record_hash, key_bytes, value_bytes, kafka_key, kafka_value "
+        f"FROM {qtable}"
+    ).collect()
+    assert {r[0]: (r[1], r[2], r[3]) for r in kept} == before
+    assert all(r["kafka_key"] is None and r["kafka_value"] is None for r in kept)
+    code, listed_after = _cli(capsys, "quarantine", "--topic", topic)
+    assert listed_after["groups"] == after["groups"]

@@ -197,6 +197,8 @@ def _quarantine(parsed: DataFrame) -> DataFrame:
         "kafka_value",
         F.col("_reason").alias("reason"),
         "ingest_run_id",
+        F.length("kafka_key").alias("key_bytes"),
+        F.length("kafka_value").alias("value_bytes"),
     )
 
 

@@ -22,6 +22,11 @@ as the previous step left it, and the pass goes on with the next step):
    expired snapshot.
 5. **Remove orphan files** older than the orphan retention (files of failed writes).
 
+On a quarantine table, a step between 2 and 3 drops the raw key and value bytes of records
+quarantined longer ago than ``BACKFILL_QUARANTINE_BYTES_DAYS`` (unset: kept for good), keeping
+their record hash and byte lengths (one UPDATE commit; the bytes leave storage once the
+snapshots still holding them expire in step 4).
+
 The pass ends with one ``maintenance`` row in the audit table holding the report.
 """
 
@@ -55,7 +60,14 @@ Progress = Callable[[str], None]
 # run id -> True (still running), False (ended) or None (unknown to the caller)
 RunActive = Callable[[str], bool | None]
 
-STEPS = ("sync", "drop_branches", "compact", "expire_snapshots", "remove_orphans")
+STEPS = (
+    "sync",
+    "drop_branches",
+    "quarantine_bytes",
+    "compact",
+    "expire_snapshots",
+    "remove_orphans",
+)
 _FAILED_EVENTS = ("check_failed", "publish_refused", "run_failed")
 # Bookkeeping tables hold the project's own records; nothing is published to them.
 BOOKKEEPING = (audit.AUDIT_TABLE, ledger.LEDGER_TABLE)
@@ -179,6 +191,8 @@ def maintain(
             ctx.sync()
         with ctx.step("drop_branches", enabled=opts.drop_branches):
             ctx.drop_branches(run_active)
+        with ctx.step("quarantine_bytes"):
+            ctx.forget_quarantine_bytes()
         with ctx.step("compact", enabled=opts.compact):
             ctx.compact()
         with ctx.step("expire_snapshots", enabled=opts.expire_snapshots):
@@ -323,6 +337,35 @@ class _Pass:
         rep.counts["dropped"] = len(dropped)
         rep.counts["kept"] = len(kept)
         rep.items = dropped + [f"kept {b}: {why}" for b, why in sorted(kept.items())]
+
+    # quarantine bytes ----------------------------------------------------------------------
+    def forget_quarantine_bytes(self) -> None:
+        """On a quarantine table: drop the raw key and value of records quarantined (by Kafka
+        hour) longer ago than the retention, keeping their hash and lengths. One Iceberg
+        commit (an UPDATE on main); older snapshots hold the bytes until they expire."""
+        rep = self._rep("quarantine_bytes")
+        keep = self.opts.quarantine_bytes_retention
+        names = {f.name for f in self.table().schema().fields}
+        if not {"reason", "kafka_value", "key_bytes", "value_bytes"} <= names:
+            rep.skipped = "not a quarantine table"
+            return
+        if keep is None:
+            rep.skipped = "BACKFILL_QUARANTINE_BYTES_DAYS is unset: raw bytes are kept"
+            return
+        cutoff = (self.now - keep).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        where = (
+            f"kafka_hour < TIMESTAMP '{cutoff}' "
+            "AND (kafka_key IS NOT NULL OR kafka_value IS NOT NULL)"
+        )
+        row = self.spark.sql(f"SELECT count(*) FROM {self.name} WHERE {where}").first()
+        count = int(row[0]) if row is not None else 0
+        if count:
+            self.spark.sql(
+                f"UPDATE {self.name} SET key_bytes = length(kafka_key), "
+                "value_bytes = length(kafka_value), kafka_key = NULL, kafka_value = NULL "
+                f"WHERE {where}"
+            )
+        rep.counts["records_bytes_dropped"] = count
 
     # 3. compaction -------------------------------------------------------------------------
     def compact(self) -> None:

@@ -27,12 +27,17 @@ def table_ddl(spec: TopicSpec, spark_name: str) -> str:
     )
 
 
+# Quarantine columns added after the first layout (added in place to older tables): the raw
+# bytes' lengths, which stay when maintenance drops the bytes (BACKFILL_QUARANTINE_BYTES_DAYS).
+QUARANTINE_ADDED = (("key_bytes", "int"), ("value_bytes", "int"))
+
+
 def quarantine_ddl(spark_name: str) -> str:
     return (
         f"CREATE TABLE IF NOT EXISTS {spark_name} (topic string, kafka_partition int, "
         "kafka_offset bigint, kafka_timestamp timestamp, kafka_hour timestamp, "
         "record_hash bigint, kafka_key binary, kafka_value binary, "
-        "reason string, ingest_run_id string) USING iceberg "
+        "reason string, ingest_run_id string, key_bytes int, value_bytes int) USING iceberg "
         "PARTITIONED BY (hours(kafka_hour)) TBLPROPERTIES ('format-version'='2')"
     )
 
@@ -51,13 +56,18 @@ def ensure_tables(
     With ``catalog`` (the same catalog, through pyiceberg), tables that exist in the current
     layout are seen from their metadata alone: no Spark SQL statement, each of which costs a
     fresh run process a few hundred milliseconds."""
-    if catalog is not None and all(_current_layout(catalog, name) for name in (table, qtable)):
+    if catalog is not None and all(
+        _current_layout(catalog, name, added) for name, added in ((table, ()), (qtable, _ADDED))
+    ):
         return
     spark.sql(
         f"CREATE NAMESPACE IF NOT EXISTS {settings.catalog.name}.{settings.catalog.namespace}"
     )
     spark.sql(table_ddl(spec, table))
     spark.sql(quarantine_ddl(qtable))
+    missing = [f"{n} {t}" for n, t in QUARANTINE_ADDED if n not in spark.table(qtable).columns]
+    if missing:  # one schema update, no data file rewritten; old rows read NULL
+        spark.sql(f"ALTER TABLE {qtable} ADD COLUMNS ({', '.join(missing)})")
     for name in (table, qtable):
         if "kafka_hour" not in spark.table(name).columns:
             raise ReplayError(
@@ -68,12 +78,17 @@ def ensure_tables(
             )
 
 
-def _current_layout(catalog: Catalog, spark_name: str) -> bool:
-    """Whether ``catalog.namespace.table`` exists with a ``kafka_hour`` column."""
+_ADDED = tuple(name for name, _ in QUARANTINE_ADDED)
+
+
+def _current_layout(catalog: Catalog, spark_name: str, added: tuple[str, ...] = ()) -> bool:
+    """Whether ``catalog.namespace.table`` exists with a ``kafka_hour`` column (and the
+    ``added`` ones)."""
     from pyiceberg.exceptions import NoSuchTableError
 
     try:
         table = catalog.load_table(spark_name.split(".", 1)[1])
     except NoSuchTableError:
         return False
-    return "kafka_hour" in {f.name for f in table.schema().fields}
+    names = {f.name for f in table.schema().fields}
+    return "kafka_hour" in names and set(added) <= names

@@ -13,7 +13,7 @@ import dagster as dg
 
 from backfill_assets.errors import ArgumentError
 from backfill_assets.ops.cli import common, output
-from backfill_assets.ops.cli.common import Exit, specs, topic_option, with_ui
+from backfill_assets.ops.cli.common import Exit, topic_option, with_ui
 from backfill_assets.ops.cli.common import spec as spec_of
 from backfill_assets.ops.cli.output import Ui
 from backfill_assets.stack import catalog
@@ -33,7 +33,7 @@ def archive_command(ui: Ui, settings: Settings, topic: str, status: bool) -> int
     from backfill_assets.lake.operations.archiver import run_archiver
     from backfill_assets.stack.catalog import CatalogClient
 
-    known = specs()
+    known = common.specs()
     spec = known.get(topic)
     if spec is None:
         raise ArgumentError(f"unknown topic {topic!r}; topics.yaml defines: {', '.join(known)}")
@@ -149,7 +149,7 @@ def _maintained_tables(tables: tuple[str, ...]) -> list[str]:
     """The tables ``--table`` names (a table or a maintenance target), or every table."""
     from backfill_assets.defs.maintenance import maintenance_targets
 
-    targets = maintenance_targets(list(specs().values()))
+    targets = maintenance_targets(list(common.specs().values()))
     known = {name: target for target in targets for name in (target.name, *target.tables)}
     unknown = [t for t in tables if t not in known]
     if unknown:
