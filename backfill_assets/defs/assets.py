@@ -40,10 +40,10 @@ def quarantine_asset_key(spec: TopicSpec) -> dg.AssetKey:
 
 
 def quarantine_asset(spec: TopicSpec) -> dg.AssetSpec:
-    """The topic's quarantine table as an asset of its own: each raw publish records a
-    materialization of it with the window's quarantined records per reason (written by the raw
-    asset's runs, so nothing materializes it alone; ``backfill-assets quarantine`` lists it
-    all and re-runs its hours)."""
+    """The topic's quarantine table as an asset of its own: each raw publish records an
+    observation of it with the window's quarantined records per reason (its rows are written
+    and published by the raw asset's runs, so nothing materializes it alone; ``backfill-assets
+    quarantine`` lists it all and re-runs its hours)."""
     return dg.AssetSpec(
         key=quarantine_asset_key(spec),
         description=(
@@ -378,7 +378,7 @@ def _replay_raw(
         },
     )
     context.log_event(
-        dg.AssetMaterialization(
+        dg.AssetObservation(
             asset_key=quarantine_asset_key(spec),
             description=f"quarantined records of {_span(window.start, window.end)}",
             metadata={

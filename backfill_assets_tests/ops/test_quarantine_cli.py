@@ -102,11 +102,11 @@ def test_quarantine_is_listed_and_its_hours_rerun_after_a_fix(
     assert {g["hour"] for g in listed["groups"]} == {hour}
     others = {r: g["records"] for r, g in by_reason.items() if r != "unknown_schema_version:9"}
     assert others, "the generator wrote no other malformed record in the hour"
-    # The quarantine table is an asset: the raw publish recorded its per-reason counts.
+    # The quarantine table is an asset: the raw publish observed its per-reason counts.
     with dg.DagsterInstance.get() as instance:
-        event = instance.get_latest_materialization_event(quarantine_asset_key(spec))
-    assert event is not None and event.asset_materialization is not None
-    reasons = event.asset_materialization.metadata["reasons"].value
+        found = instance.fetch_observations(quarantine_asset_key(spec), limit=1).records
+    assert found and found[0].asset_observation is not None
+    reasons = found[0].asset_observation.metadata["reasons"].value
     assert reasons == {r: g["records"] for r, g in by_reason.items()}
 
     # The fix: the spec reads version 9 as version 2.
