@@ -9,10 +9,12 @@ pom is not resolved again.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 from backfill_assets.errors import JarResolutionError
@@ -48,40 +50,18 @@ def resolve(settings: Settings, jar_set: str) -> bool:
     """Resolve one set; return True if Maven ran, False if the cache was already current."""
     if is_resolved(settings, jar_set):
         return False
-    mvn = shutil.which("mvn")
-    if mvn is None:
-        raise JarResolutionError(
-            "Maven (mvn) is not on PATH; install it (apt-get install maven) and run "
-            "`backfill-assets jars resolve` again"
-        )
-    target = jar_dir(settings, jar_set)
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    cmd = [
-        mvn,
-        "-B",
-        "-q",
-        "-s",
-        str(MAVEN_DIR / "settings.xml"),
-        "-f",
-        str(pom_path(jar_set)),
-        "dependency:copy-dependencies",
-        "-DincludeScope=runtime",
-        f"-DoutputDirectory={staging}",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        errors = [line for line in proc.stdout.splitlines() if "ERROR" in line][:5]
-        raise JarResolutionError(
-            f"Maven could not resolve jar set {jar_set!r} from {pom_path(jar_set)}:\n"
-            + "\n".join(errors or proc.stderr.splitlines()[-5:])
-            + "\nCheck that Maven Central is reachable, then run `backfill-assets jars resolve`."
-        )
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
-    (target / _STAMP).write_text(_pom_hash(jar_set) + "\n")
+    _maven_into(
+        jar_dir(settings, jar_set),
+        lambda staging: [
+            "-f",
+            str(pom_path(jar_set)),
+            "dependency:copy-dependencies",
+            "-DincludeScope=runtime",
+            f"-DoutputDirectory={staging}",
+        ],
+        failure=f"Maven could not resolve jar set {jar_set!r} from {pom_path(jar_set)}",
+        stamp=functools.partial(_pom_hash, jar_set),
+    )
     return True
 
 
@@ -101,6 +81,43 @@ def jars(settings: Settings, jar_set: str) -> list[Path]:
 
 def _pom_hash(jar_set: str) -> str:
     return hashlib.sha256(pom_path(jar_set).read_bytes()).hexdigest()
+
+
+def _maven_into(
+    target: Path,
+    args: Callable[[Path], list[str]],
+    *,
+    failure: str,
+    stamp: Callable[[], str],
+    product: Path | None = None,
+) -> None:
+    """Run Maven (batch, quiet, the project's ``settings.xml``) with ``args(staging)``, a
+    staging directory beside ``target``; on success rename it to ``target`` and write
+    ``stamp()`` last, so a cache directory is whole or absent. A failed run, or one that did not
+    make ``product`` (a path under the staging directory), raises :class:`JarResolutionError`
+    starting with ``failure`` and leaves ``target`` as it was."""
+    mvn = shutil.which("mvn")
+    if mvn is None:
+        raise JarResolutionError(
+            "Maven (mvn) is not on PATH; install it (apt-get install maven) and run "
+            "`backfill-assets jars resolve` again"
+        )
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    cmd = [mvn, "-B", "-q", "-s", str(MAVEN_DIR / "settings.xml"), *args(staging)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0 or (product is not None and not (staging / product).is_file()):
+        shutil.rmtree(staging, ignore_errors=True)
+        errors = [line for line in proc.stdout.splitlines() if "ERROR" in line][:5]
+        raise JarResolutionError(
+            f"{failure}:\n"
+            + "\n".join(errors or proc.stderr.splitlines()[-5:])
+            + "\nCheck that Maven Central is reachable, then run `backfill-assets jars resolve`."
+        )
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    (target / _STAMP).write_text(stamp() + "\n")
 
 
 # The local schema registry (stack/registry.py): a Maven project under maven/schema-registry
@@ -132,39 +149,19 @@ def build_registry(settings: Settings) -> bool:
     :func:`resolve`: built in a temporary directory renamed into place, stamp written last."""
     if registry_built(settings):
         return False
-    mvn = shutil.which("mvn")
-    if mvn is None:
-        raise JarResolutionError(
-            "Maven (mvn) is not on PATH; install it (apt-get install maven) and run "
-            "`backfill-assets jars resolve` again"
-        )
-    target = registry_dir(settings)
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    cmd = [
-        mvn,
-        "-B",
-        "-q",
-        "-s",
-        str(MAVEN_DIR / "settings.xml"),
-        "-f",
-        str(REGISTRY_PROJECT / "pom.xml"),
-        f"-Dregistry.build.dir={staging}",
-        "-DskipTests",
-        "package",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0 or not (staging / "quarkus-app" / "quarkus-run.jar").is_file():
-        shutil.rmtree(staging, ignore_errors=True)
-        errors = [line for line in proc.stdout.splitlines() if "ERROR" in line][:5]
-        raise JarResolutionError(
-            f"Maven could not build the schema registry from {REGISTRY_PROJECT}:\n"
-            + "\n".join(errors or proc.stderr.splitlines()[-5:])
-            + "\nCheck that Maven Central is reachable, then run `backfill-assets jars resolve`."
-        )
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
-    (target / _STAMP).write_text(_registry_hash() + "\n")
+    _maven_into(
+        registry_dir(settings),
+        lambda staging: [
+            "-f",
+            str(REGISTRY_PROJECT / "pom.xml"),
+            f"-Dregistry.build.dir={staging}",
+            "-DskipTests",
+            "package",
+        ],
+        failure=f"Maven could not build the schema registry from {REGISTRY_PROJECT}",
+        stamp=_registry_hash,
+        product=Path("quarkus-app") / "quarkus-run.jar",
+    )
     return True
 
 
