@@ -149,14 +149,17 @@ def judge(spec: TopicSpec, sid: int, writer_text: str | None, latest: Any) -> Wr
     return Writer(sid, writer=writer_text, reader=reader)
 
 
-def lookup(registry: SchemaRegistryClient, sid: int) -> tuple[str, str] | None:
+def lookup(
+    registry: SchemaRegistryClient, sid: int, *, serialized: bool = False
+) -> tuple[str, str] | None:
     """The schema type (``AVRO``, ``JSON``, ``PROTOBUF``) and text of ``sid`` (None if the
-    registry has no such id); a registry that does not answer raises
+    registry has no such id); with ``serialized``, the registry's serialized form instead of the
+    text (a base64 ``FileDescriptorProto`` for Protobuf). A registry that does not answer raises
     :class:`RegistryUnavailable`."""
     from confluent_kafka.schema_registry.error import SchemaRegistryError
 
     try:
-        schema = registry.get_schema(sid)
+        schema = registry.get_schema(sid, fmt="serialized" if serialized else None)
     except SchemaRegistryError as exc:
         if exc.http_status_code == 404:
             return None

@@ -38,7 +38,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets.errors import RegistryUnavailable
 from backfill_assets.lake.decode import avro
 from backfill_assets.lake.decode.envelope import WIRE_HEADER, schema_id, wire_stage
 from backfill_assets.spec import proto
@@ -79,23 +78,6 @@ class Writer:
     reason: str | None = None
 
 
-def lookup(registry: SchemaRegistryClient, sid: int) -> tuple[str, str] | None:
-    """The schema type and its serialized form (base64 ``FileDescriptorProto`` for Protobuf) of
-    ``sid``; None if the registry has no such id;
-    :class:`~backfill_assets.errors.RegistryUnavailable` if it does not answer."""
-    from confluent_kafka.schema_registry.error import SchemaRegistryError
-
-    try:
-        schema = registry.get_schema(sid, fmt="serialized")
-    except SchemaRegistryError as exc:
-        if exc.http_status_code == 404:
-            return None
-        raise RegistryUnavailable(f"schema registry: schema id {sid}: {exc}") from exc
-    except Exception as exc:
-        raise RegistryUnavailable(f"schema registry: schema id {sid}: {exc}") from exc
-    return str(schema.schema_type or "AVRO"), str(schema.schema_str)
-
-
 def judge(spec: TopicSpec, sid: int, found: tuple[str, str] | None) -> Writer:
     """The disposition of schema id ``sid`` whose (type, serialized schema) the registry gave
     (None: the registry has no such id)."""
@@ -133,7 +115,10 @@ def _file(found: tuple[str, str]) -> FileDescriptorProto | None:
 def resolve(spec: TopicSpec, url: str, ids: Iterable[int]) -> dict[int, Writer]:
     """Every schema id of ``ids`` judged (:func:`judge`) against the registry at ``url``."""
     registry = avro.client(url)
-    return {sid: judge(spec, sid, lookup(registry, sid)) for sid in sorted(set(ids))}
+    return {
+        sid: judge(spec, sid, avro.lookup(registry, sid, serialized=True))
+        for sid in sorted(set(ids))
+    }
 
 
 def _request(spec: TopicSpec, message: str) -> str:
@@ -294,7 +279,7 @@ class IndependentDecode:
 
         if self._registry is None:
             self._registry = avro.client(self.url)
-        writer = judge(self.spec, sid, lookup(self._registry, sid))
+        writer = judge(self.spec, sid, avro.lookup(self._registry, sid, serialized=True))
         if writer.reason is not None:
             return writer.reason
         assert writer.descriptor is not None and writer.message is not None
