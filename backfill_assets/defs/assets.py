@@ -232,16 +232,6 @@ def _failure(
     )
 
 
-def _record(
-    iceberg: IcebergResource, event: str, outcome: str, fields: dict[str, Any], **extra: Any
-) -> None:
-    audit.append(
-        iceberg.catalog(),
-        iceberg.settings.catalog.namespace,
-        audit.AuditRecord(event=event, outcome=outcome, **fields, **extra),
-    )
-
-
 _AUDITED = "_backfill_assets_audited"
 
 
@@ -268,8 +258,8 @@ def _audit_failures(
         tags = dict(context.run.tags)
         first_line = (str(exc).strip().splitlines() or [""])[0][:500]
         try:
-            _record(
-                iceberg,
+            audit.record(
+                iceberg.client(),
                 "run_failed",
                 "failed",
                 {

@@ -18,7 +18,7 @@ import pyarrow as pa
 from pyiceberg.catalog import Catalog
 
 from backfill_assets.errors import BackfillError
-from backfill_assets.stack.catalog import retry_commit
+from backfill_assets.stack.catalog import CatalogClient, retry_commit
 
 AUDIT_TABLE = "backfill_audit"
 EVENTS = (
@@ -105,6 +105,18 @@ def append(catalog: Catalog, namespace: str, record: AuditRecord, attempts: int 
         lambda attempt: (table if attempt == 0 else catalog.load_table(ident)).append(row),
         attempts=attempts,
         backoff_s=0.2,
+    )
+
+
+def record(
+    tables: CatalogClient, event: str, outcome: str, fields: dict[str, Any], **extra: Any
+) -> None:
+    """Append one row of ``event`` with ``outcome`` to the audit table of ``tables``' catalog:
+    ``fields`` are the run's columns (table, run, window, ...), ``extra`` the event's own."""
+    append(
+        tables.catalog(),
+        tables.settings.catalog.namespace,
+        AuditRecord(event=event, outcome=outcome, **fields, **extra),
     )
 
 

@@ -242,16 +242,16 @@ def publish(
     failed = [r for r in results if not r.passed]
     if failed:
         detail = "; ".join(f"{r.name}: {r.summary}" for r in failed)
-        _audit(tables, "check_failed", "failed", record, detail=detail)
+        audit.record(tables, "check_failed", "failed", record, detail=detail)
         raise ChecksFailed(detail, branch, results)
     if error is not None or snapshot is None:
         error = error or wap.PublishError("nothing was published")
-        _audit(tables, "publish_refused", "failed", record, detail=str(error))
+        audit.record(tables, "publish_refused", "failed", record, detail=str(error))
         raise PublishRefused(error, branch, results)
     quarantine_error = _publish_quarantine(session, request)
     # A loss an operator accepted (checks.records_kept) is said in the publish's own row.
     accepted = [str(r.metadata["accepted_loss"]) for r in results if "accepted_loss" in r.metadata]
-    _audit(
+    audit.record(
         tables,
         "publish",
         "succeeded",
@@ -359,16 +359,6 @@ def _check_neighbours(tables: CatalogClient, request: PublishRequest) -> None:
             "Nothing was published; run the same hours again: a new run chains on the "
             "published windows (the gap sensor requests them by itself)."
         )
-
-
-def _audit(
-    tables: CatalogClient, event: str, outcome: str, fields: dict[str, Any], **extra: Any
-) -> None:
-    audit.append(
-        tables.catalog(),
-        tables.settings.catalog.namespace,
-        audit.AuditRecord(event=event, outcome=outcome, **fields, **extra),
-    )
 
 
 def _record_publish(tables: CatalogClient, request: PublishRequest, snapshot: int) -> int | None:
