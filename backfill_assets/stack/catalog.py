@@ -261,6 +261,17 @@ def _s3_properties(cfg: CatalogSettings) -> dict[str, str]:
     return props
 
 
+def full_name(cfg: CatalogSettings, table: str) -> str:
+    """``catalog.namespace.table``, the name Spark SQL uses, from a short, ``namespace.table``
+    or full name of a table of the catalog ``cfg``."""
+    parts = table.split(".")
+    if len(parts) == 1:
+        return f"{cfg.name}.{cfg.namespace}.{table}"
+    if len(parts) == 2:
+        return f"{cfg.name}.{table}"
+    return table
+
+
 class CatalogClient:
     """The project's tables in its one catalog, as pyiceberg loads them and as Spark names them.
 

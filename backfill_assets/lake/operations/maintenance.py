@@ -135,17 +135,6 @@ class MaintenanceReport:
         return "\n".join(lines)
 
 
-def full_name(settings: Settings, table: str) -> str:
-    """``catalog.namespace.table`` from a short, ``namespace.table`` or full name."""
-    cfg = settings.catalog
-    parts = table.split(".")
-    if len(parts) == 1:
-        return f"{cfg.name}.{cfg.namespace}.{table}"
-    if len(parts) == 2:
-        return f"{cfg.name}.{table}"
-    return table
-
-
 def maintain(
     spark: SparkSession,
     settings: Settings,
@@ -169,7 +158,7 @@ def maintain(
     """
     opts = options or settings.maintenance
     say = progress or (lambda _msg: None)
-    name = full_name(settings, table)
+    name = catalog_mod.full_name(settings.catalog, table)
     namespace = settings.catalog.namespace
     cat = catalog_mod.load(settings.catalog)
     ident = name.split(".", 1)[1]

@@ -175,15 +175,6 @@ def hours(first: datetime, stop: datetime) -> int:
     return int((stop - first) / timedelta(hours=1))
 
 
-def full_table(name: str, settings: Settings) -> str:
-    parts = name.split(".")
-    if len(parts) == 1:
-        return f"{settings.catalog.name}.{settings.catalog.namespace}.{name}"
-    if len(parts) == 2:
-        return f"{settings.catalog.name}.{name}"
-    return name
-
-
 def backfill_concurrency() -> int:
     """The run-queue limit for backfill runs, from the instance's dagster.yaml."""
     home = os.environ.get("DAGSTER_HOME")

@@ -12,7 +12,7 @@ import click
 import dagster as dg
 
 from backfill_assets.ops.cli import output
-from backfill_assets.ops.cli.common import PARTITION_FMT, full_table, with_ui
+from backfill_assets.ops.cli.common import PARTITION_FMT, with_ui
 from backfill_assets.ops.cli.output import Ui
 from backfill_assets.stack import catalog
 from backfill_assets.stack.settings import Settings
@@ -54,7 +54,7 @@ def audit_command(
     rows = audit.query(
         catalog.load(settings.catalog),
         settings.catalog.namespace,
-        table_name=full_table(table, settings) if table else None,
+        table_name=catalog.full_name(settings.catalog, table) if table else None,
         run_id=run,
         backfill_id=backfill,
         limit=limit,
@@ -115,7 +115,7 @@ def rollback_command(
 
     if (run is None) == (backfill is None):
         raise click.UsageError("give exactly one of --run RUN_ID or --backfill BACKFILL_ID")
-    full = full_table(table, settings) if table else None
+    full = catalog.full_name(settings.catalog, table) if table else None
     cat = catalog.load(settings.catalog)
     ns = settings.catalog.namespace
     what = f"run {run}" if run else f"backfill {backfill}"
