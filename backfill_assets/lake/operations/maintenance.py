@@ -54,7 +54,7 @@ from backfill_assets.stack.settings import MaintenanceSettings, Settings
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
     from pyiceberg.table import Table
-    from pyspark.sql import SparkSession
+    from pyspark.sql import DataFrame, SparkSession
 
 Progress = Callable[[str], None]
 # run id -> True (still running), False (ended) or None (unknown to the caller)
@@ -241,6 +241,17 @@ class _Pass:
 
     def _rep(self, step: str) -> StepReport:
         return self.report.steps[step]
+
+    def _procedure(self, procedure: str, older_than: int, *arguments: str) -> DataFrame:
+        """``CALL <catalog>.system.<procedure>`` on this table for what is older than
+        ``older_than`` (epoch ms), with the procedure's other ``arguments`` (``name => value``)."""
+        cat_name = self.name.split(".", 1)[0]
+        named = [
+            f"table => '{self.name}'",
+            f"older_than => TIMESTAMP '{_sql_timestamp(older_than)}'",
+            *arguments,
+        ]
+        return self.spark.sql(f"CALL {cat_name}.system.{procedure}({', '.join(named)})")
 
     # 1. sync -------------------------------------------------------------------------------
     def sync(self) -> None:
@@ -430,11 +441,8 @@ class _Pass:
             if snap is not None and snap.snapshot_id in main_line:
                 older_than = min(older_than, snap.timestamp_ms)
         before = {s.snapshot_id for s in tbl.metadata.snapshots}
-        cat_name = self.name.split(".", 1)[0]
-        stamp = datetime.fromtimestamp(older_than / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
-        done = self.spark.sql(
-            f"CALL {cat_name}.system.expire_snapshots(table => '{self.name}', "
-            f"older_than => TIMESTAMP '{stamp}', retain_last => {max(1, self.opts.min_snapshots)})"
+        done = self._procedure(
+            "expire_snapshots", older_than, f"retain_last => {max(1, self.opts.min_snapshots)}"
         ).first()
         after = {s.snapshot_id for s in self.table().metadata.snapshots}
         expired = sorted(before - after)
@@ -444,7 +452,7 @@ class _Pass:
             rep.counts["data_files_deleted"] = int(done["deleted_data_files_count"])
             rep.counts["manifest_files_deleted"] = int(done["deleted_manifest_files_count"])
             rep.counts["manifest_lists_deleted"] = int(done["deleted_manifest_lists_count"])
-        rep.items = [f"expired older than {stamp} UTC"] + [
+        rep.items = [f"expired older than {_sql_timestamp(older_than)} UTC"] + [
             f"kept {sid}: {why}" for sid, why in sorted(protected.items()) if sid in after
         ]
 
@@ -463,12 +471,7 @@ class _Pass:
         """Over Spark Connect (no JVM handle in the client): the ``remove_orphan_files``
         procedure, which refuses retentions under 24 h (as the settings do; only a caller
         passing shorter options to a quiet table gets that error)."""
-        cat_name = self.name.split(".", 1)[0]
-        stamp = datetime.fromtimestamp(older_than / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
-        rows = self.spark.sql(
-            f"CALL {cat_name}.system.remove_orphan_files(table => '{self.name}', "
-            f"older_than => TIMESTAMP '{stamp}')"
-        ).collect()
+        rows = self._procedure("remove_orphan_files", older_than).collect()
         return [str(r["orphan_file_location"]) for r in rows]
 
     def _remove_orphans_action(self, older_than: int) -> list[str]:
@@ -564,3 +567,8 @@ def _concurrent(exc: BaseException) -> bool:
 
 def _ms(value: datetime) -> int:
     return int(value.timestamp() * 1000)
+
+
+def _sql_timestamp(epoch_ms: int) -> str:
+    """``epoch_ms`` as the UTC text of a Spark SQL ``TIMESTAMP`` literal."""
+    return datetime.fromtimestamp(epoch_ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
