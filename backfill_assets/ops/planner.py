@@ -522,70 +522,69 @@ def _missing_score(plan: Plan) -> Score:
 
 
 def _scorecard(plan: Plan, spec: TopicSpec, end: datetime) -> list[Score]:
-    scores = []
-    if plan.records == 0:
-        scores.append(Score("scope", "yellow", "the range holds no records; nothing to replay"))
-    elif end > datetime.now(UTC):
-        scores.append(Score("scope", "red", "the range has not closed yet"))
-    else:
-        scores.append(
-            Score("scope", "green", f"{plan.partitions} closed hours, exact offsets known")
-        )
-    if plan.fits_window is None:
-        scores.append(
-            Score(
-                "capacity",
-                "yellow",
-                "no --window given; predicted " + _duration(plan.predicted_duration_s),
-            )
-        )
-    elif plan.fits_window:
-        scores.append(Score("capacity", "green", "predicted duration fits the window"))
-    else:
-        scores.append(
-            Score(
-                "capacity",
-                "red",
-                f"predicted {_duration(plan.predicted_duration_s)} > window "
-                f"{_duration(plan.window_s or 0)}; split the range or raise concurrency",
-            )
-        )
-    if plan.estimated_bytes >= COST_RED_BYTES:
-        scores.append(Score("cost", "red", f"reads ~{_size(plan.estimated_bytes)}"))
-    elif plan.estimated_bytes >= COST_YELLOW_BYTES:
-        scores.append(Score("cost", "yellow", f"reads ~{_size(plan.estimated_bytes)}"))
-    else:
-        scores.append(Score("cost", "green", f"reads ~{_size(plan.estimated_bytes)}"))
-    scores.append(
+    return [
+        _scope_score(plan, end),
+        _capacity_score(plan),
+        _cost_score(plan),
         Score(
             "recovery",
             "green",
             "each run publishes by one fast-forward; `backfill-assets rollback` restores the "
             "snapshot before it",
-        )
-    )
-    scores.append(
+        ),
         Score(
             "governance",
             "green",
             f"{len(spec.columns)}-column contract and blocking checks gate publication; every "
             "publish is written to the audit table",
-        )
+        ),
+        _closure_score(plan),
+    ]
+
+
+def _scope_score(plan: Plan, end: datetime) -> Score:
+    if plan.records == 0:
+        return Score("scope", "yellow", "the range holds no records; nothing to replay")
+    if end > datetime.now(UTC):
+        return Score("scope", "red", "the range has not closed yet")
+    return Score("scope", "green", f"{plan.partitions} closed hours, exact offsets known")
+
+
+def _capacity_score(plan: Plan) -> Score:
+    if plan.fits_window is None:
+        predicted = "no --window given; predicted " + _duration(plan.predicted_duration_s)
+        return Score("capacity", "yellow", predicted)
+    if plan.fits_window:
+        return Score("capacity", "green", "predicted duration fits the window")
+    return Score(
+        "capacity",
+        "red",
+        f"predicted {_duration(plan.predicted_duration_s)} > window "
+        f"{_duration(plan.window_s or 0)}; split the range or raise concurrency",
     )
-    if plan.missing_offsets:
-        scores.append(_missing_score(plan))
-    elif plan.all_in_kafka:
-        scores.append(Score("closure", "green", "every offset of the range is still in Kafka"))
+
+
+def _cost_score(plan: Plan) -> Score:
+    if plan.estimated_bytes >= COST_RED_BYTES:
+        color = "red"
+    elif plan.estimated_bytes >= COST_YELLOW_BYTES:
+        color = "yellow"
     else:
-        scores.append(
-            Score(
-                "closure",
-                "green",
-                f"{plan.records_from_archive:,} offsets below Kafka's log start come from the "
-                f"archive, {plan.records_from_kafka:,} from Kafka",
-            )
-        )
-    return scores
+        color = "green"
+    return Score("cost", color, f"reads ~{_size(plan.estimated_bytes)}")
+
+
+def _closure_score(plan: Plan) -> Score:
+    if plan.missing_offsets:
+        return _missing_score(plan)
+    if plan.all_in_kafka:
+        return Score("closure", "green", "every offset of the range is still in Kafka")
+    return Score(
+        "closure",
+        "green",
+        f"{plan.records_from_archive:,} offsets below Kafka's log start come from the "
+        f"archive, {plan.records_from_kafka:,} from Kafka",
+    )
 
 
 def _sample(kafka: KafkaClient, contract: OffsetContract, spec: TopicSpec) -> dict[str, Any]:
