@@ -396,6 +396,22 @@ class _Planner:
             return ts - lag, True
         return ts - self.rng.randint(0, _NORMAL_JITTER_MS), False
 
+    def _record_of(
+        self, order: _Order, ts: int, kind: RecordKind, value: bytes | None, **labels: Any
+    ) -> PlannedRecord:
+        """A record of ``order`` produced at ``ts``: keyed by the order id, so every record of
+        an order lands in the same partition, in order; ``labels`` are its other ground-truth
+        fields."""
+        return PlannedRecord(
+            partition=partition_for(order.order_id, self.config.partitions),
+            key=order.order_id.encode("utf-8"),
+            value=value,
+            timestamp_ms=ts,
+            kind=kind,
+            order_id=order.order_id,
+            **labels,
+        )
+
     def _valid(self, ts: int) -> PlannedRecord:
         if not self.active or self.rng.random() < _NEW_ORDER_PROBABILITY:
             order, event_type = self._new_order(), "created"
@@ -413,13 +429,11 @@ class _Planner:
             version=version,
             channel=channel,
         )
-        return PlannedRecord(
-            partition=partition_for(order.order_id, self.config.partitions),
-            key=order.order_id.encode("utf-8"),
-            value=_encode(payload),
-            timestamp_ms=ts,
-            kind="valid",
-            order_id=order.order_id,
+        return self._record_of(
+            order,
+            ts,
+            "valid",
+            _encode(payload),
             event_id=event_id,
             schema_version=version,
             event_time_ms=event_time_ms,
@@ -459,15 +473,8 @@ class _Planner:
                 payload["schema_version"] = 9
             value = _encode(payload)
         self.records.append(
-            PlannedRecord(
-                partition=partition_for(order.order_id, self.config.partitions),
-                key=order.order_id.encode("utf-8"),
-                value=value,
-                timestamp_ms=ts,
-                kind="malformed",
-                order_id=order.order_id,
-                event_id=label_id,
-                malformed_reason=reason,
+            self._record_of(
+                order, ts, "malformed", value, event_id=label_id, malformed_reason=reason
             )
         )
 
@@ -476,16 +483,7 @@ class _Planner:
         order = self.cancelled[index]
         self.cancelled[index] = self.cancelled[-1]
         self.cancelled.pop()
-        self.records.append(
-            PlannedRecord(
-                partition=partition_for(order.order_id, self.config.partitions),
-                key=order.order_id.encode("utf-8"),
-                value=None,
-                timestamp_ms=ts,
-                kind="tombstone",
-                order_id=order.order_id,
-            )
-        )
+        self.records.append(self._record_of(order, ts, "tombstone", None))
 
 
 def _payload(
