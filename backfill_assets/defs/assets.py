@@ -280,21 +280,40 @@ def _audit_failures(
         raise
 
 
-def build_raw_asset(spec: TopicSpec) -> dg.AssetsDefinition:
-    key = raw_asset_key(spec)
-
-    @dg.asset(
+def _table_asset(
+    spec: TopicSpec,
+    key: dg.AssetKey,
+    check_names: Sequence[str],
+    descriptions: dict[str, str],
+    **definition: Any,
+) -> Callable[[Callable[..., Any]], dg.AssetsDefinition]:
+    """``dg.asset`` for table ``key`` written from ``spec``'s topic: partitioned by the topic's
+    Kafka hours, backfilled by :data:`BACKFILL_POLICY`, its runs in the :data:`POOL` pool, with
+    the blocking checks ``check_names`` (described by ``descriptions``); ``definition`` holds
+    the rest of the asset's arguments (description, group, deps, ...)."""
+    decorator: Callable[[Callable[..., Any]], dg.AssetsDefinition] = dg.asset(
         key=key,
-        description=f"Kafka topic {spec.topic!r} replayed by exact offsets, one row per event.",
         partitions_def=kafka_hours(spec),
         backfill_policy=BACKFILL_POLICY,
+        pool=POOL,
+        check_specs=_check_specs(key, check_names, descriptions),
+        **definition,
+    )
+    return decorator
+
+
+def build_raw_asset(spec: TopicSpec) -> dg.AssetsDefinition:
+    @_table_asset(
+        spec,
+        raw_asset_key(spec),
+        checks.CHECK_NAMES,
+        checks.DESCRIPTIONS,
+        description=f"Kafka topic {spec.topic!r} replayed by exact offsets, one row per event.",
         group_name="raw",
         kinds={"kafka", "spark", "iceberg"},
         code_version=versions.raw_version(spec),
-        pool=POOL,
         # Read from Kafka, or from the archive for offsets Kafka no longer holds.
         deps=[topics.topic_asset_key(spec), archive_asset_key(spec)],
-        check_specs=_check_specs(key, checks.CHECK_NAMES, checks.DESCRIPTIONS),
         metadata={
             "table": spec.raw_table,
             "quarantine_table": spec.quarantine_table,
@@ -475,23 +494,21 @@ def column_lineage(table: TableSpec, known: dict[str, declared.Relation]) -> dic
 def build_declared_asset(
     spec: TopicSpec, table: TableSpec, specs: Sequence[TopicSpec]
 ) -> dg.AssetsDefinition:
-    key = table_asset_key(table.name)
     known = declared.relations(list(specs))
     by_topic = {s.topic: s for s in specs}
     lineage = column_lineage(table, known)
 
-    @dg.asset(
-        key=key,
+    @_table_asset(
+        spec,
+        table_asset_key(table.name),
+        derived.declared_checks(table),
+        derived.DESCRIPTIONS,
         description=(table.description or f"Declared table {table.name} ({spec.topic}).")
         + f" SQL: {table.sql_origin}.",
-        partitions_def=kafka_hours(spec),
-        backfill_policy=BACKFILL_POLICY,
         group_name="lakehouse",
         kinds={"spark", "iceberg"},
         code_version=versions.declared_version(table),
-        pool=POOL,
         deps=table_deps(table, known),
-        check_specs=_check_specs(key, derived.declared_checks(table), derived.DESCRIPTIONS),
         metadata={
             "table": table.name,
             "dagster/table_name": table_name(table.name),
@@ -523,19 +540,16 @@ def build_declared_asset(
 
 
 def build_current_asset(spec: TopicSpec) -> dg.AssetsDefinition:
-    key = current_asset_key(spec)
-
-    @dg.asset(
-        key=key,
+    @_table_asset(
+        spec,
+        current_asset_key(spec),
+        derived.CURRENT_CHECKS,
+        derived.DESCRIPTIONS,
         description=f"Latest state per {spec.key_field} ({spec.topic}); tombstones mark deletes.",
-        partitions_def=kafka_hours(spec),
-        backfill_policy=BACKFILL_POLICY,
         group_name="lakehouse",
         kinds={"spark", "iceberg"},
         code_version=versions.current_version(spec),
-        pool=POOL,
         deps=[raw_asset_key(spec)],
-        check_specs=_check_specs(key, derived.CURRENT_CHECKS, derived.DESCRIPTIONS),
         metadata={
             "table": derived.current_table(spec),
             "dagster/table_name": table_name(derived.current_table(spec)),
