@@ -33,6 +33,7 @@ from pyiceberg.catalog import Catalog
 
 from backfill_assets.errors import KafkaClientError
 from backfill_assets.lake.offsets import identity, ledger
+from backfill_assets.lake.offsets.windows import hour_of_ms
 from backfill_assets.spec import declared
 from backfill_assets.spec.model import TableSpec, TopicSpec
 from backfill_assets.stack.kafka import KafkaClient, offsets_gone
@@ -429,7 +430,7 @@ def _max_timestamp_hour(kafka: KafkaClient, topic: str, parts: list[int]) -> dat
     """The hour of the greatest timestamp Kafka holds in ``parts`` (ListOffsets max-timestamp;
     on a transactional topic possibly a marker's, stamped with the broker's clock)."""
     stamps = [ms for _, ms in kafka.newest_records(topic, parts).values() if ms >= 0]
-    return _hour(datetime.fromtimestamp(max(stamps) / 1000, UTC)) if stamps else None
+    return hour_of_ms(max(stamps)) if stamps else None
 
 
 def find(

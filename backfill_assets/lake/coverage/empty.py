@@ -40,6 +40,7 @@ from datetime import UTC, datetime, timedelta
 from pyiceberg.catalog import Catalog
 
 from backfill_assets.lake.offsets import identity, ledger
+from backfill_assets.lake.offsets.windows import hour_of_ms
 from backfill_assets.spec import declared
 from backfill_assets.spec.model import TableSpec, TopicSpec
 from backfill_assets.stack.kafka import KafkaClient, offsets_gone
@@ -194,7 +195,7 @@ def _oldest_record_hour(kafka: KafkaClient, topic: str, parts: list[int]) -> dat
         consumer.close()
     if want or not stamps:
         return None
-    return _hour(datetime.fromtimestamp(min(stamps) / 1000, UTC))
+    return hour_of_ms(min(stamps))
 
 
 def _newest_timestamp_hour(kafka: KafkaClient, topic: str, parts: list[int]) -> datetime | None:
@@ -205,7 +206,7 @@ def _newest_timestamp_hour(kafka: KafkaClient, topic: str, parts: list[int]) -> 
         if offset < 0 or ms < 0:
             return None
         stamps.append(ms)
-    return _hour(datetime.fromtimestamp(max(stamps) / 1000, UTC)) if stamps else None
+    return hour_of_ms(max(stamps)) if stamps else None
 
 
 def find(

@@ -266,6 +266,12 @@ def hour_key(epoch_ms: int) -> str:
     return datetime.fromtimestamp(epoch_ms / 1000, UTC).isoformat()
 
 
+def hour_of_ms(epoch_ms: int) -> datetime:
+    """The UTC hour that holds the epoch-millisecond timestamp ``epoch_ms`` (a Kafka
+    record's)."""
+    return datetime.fromtimestamp(epoch_ms / 1000, UTC).replace(minute=0, second=0, microsecond=0)
+
+
 def hours_between(start: datetime, end: datetime) -> list[datetime]:
     out, hour = [], start
     while hour < end:
