@@ -70,6 +70,23 @@ def _span(first: datetime, end: datetime) -> set[datetime]:
     return out
 
 
+@dataclass(frozen=True)
+class _LogView:
+    """A topic's log as the ledger and Kafka show it: the published ``hours`` (sorted) with
+    their ``windows``, and Kafka's ``ends`` per partition (log start, LSO, high watermark)."""
+
+    kafka: KafkaClient
+    topic: str
+    hours: list[datetime]
+    windows: Mapping[datetime, dict[int, tuple[int, int]] | None]
+    ends: Mapping[int, tuple[int, int, int]]
+
+    @property
+    def holding(self) -> dict[int, tuple[int, int, int]]:
+        """The partitions whose log holds records (high watermark above the log start)."""
+        return {p: e for p, e in self.ends.items() if e[2] > e[0]}
+
+
 def kafka_hours(
     kafka: KafkaClient,
     topic: str,
@@ -89,59 +106,45 @@ def kafka_hours(
         wa, wb = windows[a], windows[b]
         if b - a > HOUR and wa is not None and wb is not None and _chained(wa, wb):
             out |= _span(a + HOUR, b)
-    ends = kafka.log_ends(topic)  # partition -> (log start, LSO, high watermark)
-    holding = {p: e for p, e in ends.items() if e[2] > e[0]}
+    log = _LogView(kafka, topic, hours, windows, kafka.log_ends(topic))
     # Before the data.
-    oldest = _oldest_hour(kafka, topic, hours, windows, ends, holding, sealed_until)
+    oldest = _oldest_hour(log, sealed_until)
     if oldest is not None:
         out |= _span(first, min(oldest, sealed_until))
     # After the data: only while no transaction is open.
-    if all(lso == hw for _, lso, hw in ends.values()):
-        newest = _newest_hour(kafka, topic, hours, windows, ends, holding)
+    if all(lso == hw for _, lso, hw in log.ends.values()):
+        newest = _newest_hour(log)
         if newest is not None:
             out |= _span(max(first, newest + HOUR), sealed_until)
     return {h for h in out if first <= h < sealed_until and h not in entries}
 
 
-def _oldest_hour(
-    kafka: KafkaClient,
-    topic: str,
-    hours: list[datetime],
-    windows: Mapping[datetime, dict[int, tuple[int, int]] | None],
-    ends: Mapping[int, tuple[int, int, int]],
-    holding: Mapping[int, tuple[int, int, int]],
-    sealed_until: datetime,
-) -> datetime | None:
+def _oldest_hour(log: _LogView, sealed_until: datetime) -> datetime | None:
     """The hour the topic's data starts at, when known: every hour before it holds no record
     (None: not known)."""
-    head = windows[hours[0]] if hours else None
+    hours, holding = log.hours, log.holding
+    head = log.windows[hours[0]] if hours else None
     if head is not None and all(s == 0 for s, _ in head.values()):
         return hours[0]
-    if not hours and all(hw == 0 for _, _, hw in ends.values()):
+    if not hours and all(hw == 0 for _, _, hw in log.ends.values()):
         return sealed_until  # nothing was ever written
     if holding and all(lo == 0 for lo, _, _ in holding.values()):
-        found = _oldest_record_hour(kafka, topic, list(holding))
+        found = _oldest_record_hour(log.kafka, log.topic, list(holding))
         if found is not None:
             return min(found, hours[0]) if hours else found
     return None
 
 
-def _newest_hour(
-    kafka: KafkaClient,
-    topic: str,
-    hours: list[datetime],
-    windows: Mapping[datetime, dict[int, tuple[int, int]] | None],
-    ends: Mapping[int, tuple[int, int, int]],
-    holding: Mapping[int, tuple[int, int, int]],
-) -> datetime | None:
+def _newest_hour(log: _LogView) -> datetime | None:
     """The hour the topic's data ends in, when known: every hour after it holds no record
     (None: not known). Only meaningful while no transaction is open."""
-    last = hours[-1] if hours else None
-    tail = windows[last] if last is not None else None
-    if last is not None and tail is not None and _covers_log(tail, ends):
+    last = log.hours[-1] if log.hours else None
+    tail = log.windows[last] if last is not None else None
+    if last is not None and tail is not None and _covers_log(tail, log.ends):
         return last
+    holding = log.holding
     if holding:
-        newest = _newest_timestamp_hour(kafka, topic, list(holding))
+        newest = _newest_timestamp_hour(log.kafka, log.topic, list(holding))
         if newest is not None and last is not None:
             newest = max(newest, last)
         return newest
