@@ -54,6 +54,8 @@ class _Cursor:
     position: int = 0  # next offset to read
     bounds_ms: list[int] = field(default_factory=list)  # bounds as epoch millis
     decoding: _Decoding | None = None
+    # cells[i]: hour i's figures in this partition (None until a record of it is fed)
+    cells: list[Cell | None] = field(default_factory=list)
 
     # fixed_after[i]: the first boundary after i the ledger fixes (None: none). While records
     # are fed, no boundary after the next one is found yet, so this is cap(i + 1) then, in O(1)
@@ -62,6 +64,7 @@ class _Cursor:
 
     def __post_init__(self) -> None:
         self.bounds_ms = [_ms(b) for b in self.bounds]
+        self.cells = [None] * (len(self.bounds) - 1)
         after: list[int | None] = [None] * len(self.bounds)
         for i in range(len(self.bounds) - 2, -1, -1):
             after[i] = self.fixed.get(i + 1, after[i + 1])
@@ -92,7 +95,6 @@ class _Cursor:
         ts_ms: int,
         key: bytes | None,
         value: bytes | None,
-        cells: list[Cell | None],
     ) -> bool:
         """Attribute one committed record (in offset order) and find the boundaries it makes.
         True when the range's end is known and reached: only then can :attr:`done` be."""
@@ -119,6 +121,7 @@ class _Cursor:
                 found[nxt] = cap
             self.index = nxt
         if 0 <= self.index < last:
+            cells = self.cells
             cell = cells[self.index]
             if cell is None:
                 start = self.bound(self.index)
@@ -240,13 +243,12 @@ def scan(
     cursors = {
         p: _Cursor(p, bounds, fixed_bounds(p, bounds, published), decoding=decoding) for p in parts
     }
-    cells: dict[int, list[Cell | None]] = {p: [None] * (len(bounds) - 1) for p in parts}
     _start_positions(kafka, topic, start, end, bounds[0], cursors, ends, archive)
-    _read_archived(topic, cursors, cells, ends, archive)
+    _read_archived(topic, cursors, ends, archive)
     _seal_idle(
-        topic, cursors, _read_to_end(kafka, topic, cursors, cells, ends, timeout_s), now, seal_grace
+        topic, cursors, _read_to_end(kafka, topic, cursors, ends, timeout_s), now, seal_grace
     )
-    out = _assemble(bounds, cursors, cells)
+    out = _assemble(bounds, cursors)
     check_chain(topic, out, published)
     windows = Windows(topic, start, end, out, {p: ends[p][0] for p in parts if ends[p][0] > 0})
     if decoding is not None:
@@ -316,7 +318,6 @@ def _start_positions(
 def _read_archived(
     topic: str,
     cursors: dict[int, _Cursor],
-    cells: dict[int, list[Cell | None]],
     ends: dict[int, tuple[int, int, int]],
     archive: Archive | None,
 ) -> None:
@@ -327,7 +328,7 @@ def _read_archived(
         cur = cursors[p]
         if cur.position < low and archive is not None:
             for offset, ts_ms, key, value in _archived(archive, topic, p, cur.position, low):
-                if cur.feed(offset, ts_ms, key, value, cells[p]) and cur.done:
+                if cur.feed(offset, ts_ms, key, value) and cur.done:
                     break
             if not cur.done:
                 cur.position = max(cur.position, low)
@@ -337,7 +338,6 @@ def _read_to_end(
     kafka: KafkaClient,
     topic: str,
     cursors: dict[int, _Cursor],
-    cells: dict[int, list[Cell | None]],
     ends: dict[int, tuple[int, int, int]],
     timeout_s: float,
     passes: int = 3,
@@ -347,7 +347,7 @@ def _read_to_end(
     of it: records arrived meanwhile, or a broker failed over and its partitions' new leader
     had not caught up yet. After ``passes`` reads :func:`_seal_idle` refuses what is left."""
     for _ in range(passes):
-        _read_kafka(kafka, topic, cursors, cells, ends, timeout_s)
+        _read_kafka(kafka, topic, cursors, ends, timeout_s)
         final = kafka.log_ends(topic)
         behind = [p for p, cur in cursors.items() if not cur.done and cur.position < final[p][1]]
         if not behind:
@@ -414,7 +414,7 @@ def _check_idle(
 
 
 def _assemble(
-    bounds: list[datetime], cursors: dict[int, _Cursor], cells: dict[int, list[Cell | None]]
+    bounds: list[datetime], cursors: dict[int, _Cursor]
 ) -> dict[datetime, dict[int, Cell]]:
     """Per hour and partition, the cell with its final offset range (empty cells included)."""
     out: dict[datetime, dict[int, Cell]] = {}
@@ -423,7 +423,7 @@ def _assemble(
         for p in sorted(cursors):
             s, e = cursors[p].bound(i), cursors[p].bound(i + 1)
             assert s is not None and e is not None
-            cell = cells[p][i] or Cell(s, e)
+            cell = cursors[p].cells[i] or Cell(s, e)
             cell.start, cell.end = s, max(s, e)
             row[p] = cell
         out[hour] = row
@@ -434,7 +434,6 @@ def _read_kafka(
     kafka: KafkaClient,
     topic: str,
     cursors: dict[int, _Cursor],
-    cells: dict[int, list[Cell | None]],
     ends: dict[int, tuple[int, int, int]],
     timeout_s: float,
 ) -> None:
@@ -473,7 +472,7 @@ def _read_kafka(
                 offset = msg.offset()
                 assert offset is not None
                 ts_ms = msg.timestamp()[1]
-                if cur.feed(offset, ts_ms, msg.key(), msg.value(), cells[p]) and cur.done:
+                if cur.feed(offset, ts_ms, msg.key(), msg.value()) and cur.done:
                     finished.add(p)
             for p in finished:
                 todo.discard(p)
