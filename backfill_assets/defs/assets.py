@@ -15,11 +15,17 @@ from backfill_assets.defs import topics
 from backfill_assets.defs.archiver import archive_asset_key
 from backfill_assets.defs.partitions import kafka_hours
 from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
-from backfill_assets.errors import KafkaClientError
+from backfill_assets.errors import (
+    CheckResult,
+    KafkaClientError,
+    NotPublished,
+    PublishRefused,
+    RunBranch,
+    TopicReplaced,
+)
 from backfill_assets.lake.decode.envelope import KAFKA_COLUMNS
-from backfill_assets.lake.offsets import identity
 from backfill_assets.lake.offsets.contract import window_contract
-from backfill_assets.lake.write import audit, checks, derived, publish, replay, wap
+from backfill_assets.lake.write import audit, checks, derived, publish, replay
 from backfill_assets.spec import declared, versions
 from backfill_assets.spec.model import CURRENT_META_COLUMNS, ColumnSpec, TableSpec, TopicSpec
 from backfill_assets.stack.catalog import CatalogClient
@@ -184,7 +190,7 @@ def _audit_and_publish(
     }
     try:
         done = publish.publish(iceberg.client(), session, request, on_retry=context.log.info)
-    except publish.NotPublished as exc:
+    except NotPublished as exc:
         # Nothing is published, so there is no materialization to attach them to: Dagster
         # records them against the partition's latest materialization, the data readers
         # still see (the run's own rows stay on the named branch).
@@ -199,9 +205,7 @@ def _audit_and_publish(
     return done.snapshot_id, done.total_records, _evaluations(done.results, done.branch)
 
 
-def _evaluations(
-    results: list[checks.CheckOutcome], branch: wap.Branch
-) -> list[dg.AssetCheckResult]:
+def _evaluations(results: Sequence[CheckResult], branch: RunBranch) -> list[dg.AssetCheckResult]:
     return [
         dg.AssetCheckResult(
             check_name=result.name,
@@ -213,12 +217,10 @@ def _evaluations(
     ]
 
 
-def _failure(
-    exc: publish.NotPublished, table: str, start: datetime, end: datetime
-) -> BaseException:
+def _failure(exc: NotPublished, table: str, start: datetime, end: datetime) -> BaseException:
     """What the run fails with when nothing was published."""
-    if isinstance(exc, publish.PublishRefused):
-        if isinstance(exc.error, identity.TopicReplaced):  # its message says it all
+    if isinstance(exc, PublishRefused):
+        if isinstance(exc.error, TopicReplaced):  # its message says it all
             return dg.Failure(description=str(exc.error))
         return exc.error
     failed = [r for r in exc.results if not r.passed]
@@ -275,7 +277,7 @@ def _audit_failures(
         except Exception as audit_exc:
             context.log.error(f"could not write the audit row for this failure: {audit_exc}")
         # Kafka said why, or the topic is a new log: the message, no traceback
-        if isinstance(exc, (KafkaClientError, identity.TopicReplaced)):
+        if isinstance(exc, (KafkaClientError, TopicReplaced)):
             raise dg.Failure(description=str(exc)) from None
         raise
 
@@ -645,7 +647,7 @@ def _span(start: datetime, end: datetime) -> str:
     return f"{start.isoformat()}..{end.isoformat()}"
 
 
-def _meta(values: dict[str, Any]) -> dict[str, Any]:
+def _meta(values: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in values.items():
         out[k] = dg.MetadataValue.json(v) if isinstance(v, dict | list) else v

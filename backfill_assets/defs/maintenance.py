@@ -18,6 +18,7 @@ import dagster as dg
 
 from backfill_assets.defs.assets import current_asset_key, raw_asset_key, table_asset_key
 from backfill_assets.defs.resources import IcebergResource, SparkResource
+from backfill_assets.errors import MaintenanceError
 from backfill_assets.lake.offsets import ledger
 from backfill_assets.lake.operations import maintenance
 from backfill_assets.lake.write import audit
@@ -91,7 +92,7 @@ def _build_job(target: Target) -> dg.JobDefinition:
                     run_id=context.run.run_id,
                     launched_by=audit.launched_by(dict(context.run.tags)),
                 )
-            except maintenance.MaintenanceError as exc:
+            except MaintenanceError as exc:
                 failures.append(str(exc))
                 continue
             reports[table] = report.as_dict()

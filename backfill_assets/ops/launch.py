@@ -19,7 +19,7 @@ from typing import Any
 
 import dagster as dg
 
-from backfill_assets.errors import BackfillError
+from backfill_assets.errors import LaunchError, WebserverUnavailable
 
 LAUNCH = """
 mutation Launch($params: LaunchBackfillParams!) {
@@ -135,16 +135,6 @@ TERMINAL = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CAN
 SUCCESS = {"COMPLETED", "COMPLETED_SUCCESS", "SUCCESS"}
 # Tag of the runs launched by :func:`launch_run`; dagster.yaml caps them like backfill runs.
 SINGLE_RUN_TAG = "backfill_assets/single_partition"
-
-
-class LaunchError(BackfillError):
-    """The webserver refused the launch or a query; nothing was launched."""
-
-
-class WebserverUnavailable(LaunchError):
-    """The webserver could not be reached or did not answer in time."""
-
-    kind = "unavailable"
 
 
 @dataclass

@@ -17,9 +17,9 @@ import dagster as dg
 from confluent_kafka import Consumer, TopicPartition
 
 from backfill_assets.defs.assets import BACKFILL_POLICY, raw_asset_key, table_asset_key
+from backfill_assets.errors import WindowError, WindowNotSealed
 from backfill_assets.lake.offsets.archive import Archive
 from backfill_assets.lake.offsets.contract import OffsetContract, window_contract
-from backfill_assets.lake.offsets.windows import WindowError, WindowNotSealed
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.catalog import CatalogClient
 from backfill_assets.stack.kafka import KafkaClient

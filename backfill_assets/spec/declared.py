@@ -24,10 +24,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from backfill_assets.errors import SpecError
 from backfill_assets.spec.model import (
     CURRENT_META_COLUMNS,
     EVENT_META_COLUMNS,
-    SpecError,
     TableSpec,
     TopicSpec,
 )

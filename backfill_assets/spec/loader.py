@@ -4,7 +4,7 @@ registry topic (avro, json_schema, protobuf) that declares no ``columns`` gets i
 latest schema's (:mod:`~backfill_assets.spec.registry_columns`, the only time loading asks the
 schema registry).
 
-A bad field fails loading with one :class:`~backfill_assets.spec.model.SpecError` line per
+A bad field fails loading with one :class:`~backfill_assets.errors.SpecError` line per
 problem, naming the file, the topic, the table and the field path.
 """
 
@@ -17,10 +17,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from backfill_assets.errors import RegistryUnavailable
+from backfill_assets.errors import ColumnsError, RegistryUnavailable, SpecError
 from backfill_assets.spec import declared, registry_columns
-from backfill_assets.spec.model import REGISTRY_FORMATS, SPEC_PATH, SpecError, TopicSpec
-from backfill_assets.spec.registry_columns import ColumnsError
+from backfill_assets.spec.model import REGISTRY_FORMATS, SPEC_PATH, TopicSpec
 from backfill_assets.stack.settings import Settings
 
 

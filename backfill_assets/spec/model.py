@@ -31,7 +31,6 @@ from pydantic import (
     model_validator,
 )
 
-from backfill_assets.errors import BackfillError
 from backfill_assets.spec.transforms import identity
 from backfill_assets.spec.transforms.reference import Reference
 from backfill_assets.spec.transforms.reference import identity as reference_identity
@@ -48,10 +47,6 @@ SPARK_TYPES: dict[str, str] = {t: t for t in COLUMN_TYPES}
 # Kafka's own default limit for one record batch (message.max.bytes) is about 1 MiB.
 DEFAULT_MAX_RECORD_BYTES = 1_048_576
 Upcaster = Callable[["Column"], dict[str, "Column"]]
-
-
-class SpecError(BackfillError):
-    """topics.yaml has a field the project cannot use."""
 
 
 # Columns every event of a topic carries besides its own, as the declared tables' SQL sees them.

@@ -30,9 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets.errors import RegistryUnavailable
+from backfill_assets.errors import ColumnsError, RegistryUnavailable
 from backfill_assets.spec import proto
-from backfill_assets.spec.model import SpecError
 
 if TYPE_CHECKING:
     from confluent_kafka.schema_registry import RegisteredSchema
@@ -59,11 +58,6 @@ _PROTOBUF_NAMES = {
 }
 _REPEATED = 3  # FieldDescriptorProto.Label
 _JSON = {"string": "string", "integer": "bigint", "number": "double", "boolean": "boolean"}
-
-
-class ColumnsError(SpecError):
-    """A subject's latest schema cannot give the columns (the subject is missing, or has a field
-    that cannot be a column)."""
 
 
 @dataclass(frozen=True)

@@ -28,16 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from backfill_assets.errors import BackfillError
+from backfill_assets.errors import CdsError
 from backfill_assets.stack import jars
 from backfill_assets.stack.settings import Settings
 
 # JVM logging: warnings to stderr (by default they go to stdout).
 QUIET = "-Xlog:disable -Xlog:all=warning:stderr"
-
-
-class CdsError(BackfillError):
-    """The archive could not be built (the project runs without it, only slower to start)."""
 
 
 def archive_path(settings: Settings) -> Path:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from backfill_assets.errors import StackError
+from backfill_assets.errors import ConnectError
 from backfill_assets.stack import process, spark
 from backfill_assets.stack.settings import Settings
 
@@ -66,10 +66,6 @@ _CLIENT_ONLY = (
     "spark.driver.extraJavaOptions",
     "spark.pyspark.driver.python",
 )
-
-
-class ConnectError(StackError):
-    """The local Spark Connect server could not be started, reached or stopped."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from backfill_assets.errors import SettingsError
+from backfill_assets.errors import SparkConnectError
 from backfill_assets.stack import catalog, cds, jars
 from backfill_assets.stack.settings import Settings
 
@@ -237,10 +237,6 @@ def is_connect(session: SparkSession) -> bool:
     """Whether ``session`` is a Spark Connect client (no JVM handle: ``sparkContext``,
     ``_jvm`` and ``_jsparkSession`` are not there)."""
     return type(session).__module__.startswith("pyspark.sql.connect")
-
-
-class SparkConnectError(SettingsError):
-    """BACKFILL_SPARK_CONNECT names an endpoint that does not answer as Spark Connect."""
 
 
 def session_confs(conf: Mapping[str, str]) -> dict[str, str]:

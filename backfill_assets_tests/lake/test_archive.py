@@ -28,7 +28,8 @@ from backfill_assets.defs.archiver import build_archive_asset
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate
-from backfill_assets.lake.offsets.archive import SCHEMA, Archive, ArchiveError
+from backfill_assets.errors import ArchiveError
+from backfill_assets.lake.offsets.archive import SCHEMA, Archive
 from backfill_assets.lake.operations.archiver import run_archiver
 from backfill_assets.lake.write import audit
 from backfill_assets.lake.write.replay import checksum_expr

@@ -29,8 +29,9 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.demo.generator import TOPIC_CONFIGS
+from backfill_assets.errors import SpecError
 from backfill_assets.spec.loader import load_specs
-from backfill_assets.spec.model import SpecError, TopicSpec
+from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.settings import REPO_ROOT, Settings
 from backfill_assets_tests.support.runs import materialize_range
 from backfill_assets_tests.support.versions import newest

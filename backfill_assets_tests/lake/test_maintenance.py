@@ -21,6 +21,7 @@ from backfill_assets.defs.assets import build_raw_asset, build_topic_assets
 from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.defs.maintenance import build_maintenance_defs, maintenance_targets
 from backfill_assets.demo.generator import GeneratorConfig, generate
+from backfill_assets.errors import MaintenanceError, RollbackError
 from backfill_assets.lake.coverage import detect
 from backfill_assets.lake.offsets import ledger
 from backfill_assets.lake.operations import maintenance, rollback
@@ -157,7 +158,7 @@ def test_maintenance_keeps_content_coverage_and_publishing(
 
     zero = dataclasses.replace(world.settings, maintenance=ZERO)
     assert len(world.tables) == 4
-    with pytest.raises(maintenance.MaintenanceError, match="does not exist"):
+    with pytest.raises(MaintenanceError, match="does not exist"):
         maintenance.maintain(spark, zero, f"{world.spec.topic}_large_paid")
     said: list[str] = []
     reports = {
@@ -209,7 +210,7 @@ def test_maintenance_keeps_content_coverage_and_publishing(
         for row in audit.query(world.cat, ns, table_name=raw, run_id=second.run_id)
         if row["event"] == "publish"
     )
-    with pytest.raises(rollback.RollbackError, match="expired by table maintenance") as err:
+    with pytest.raises(RollbackError, match="expired by table maintenance") as err:
         rollback.rollback(world.cat, ns, run_id=second.run_id, table_name=raw)
     assert str(publish_row["snapshot_before"]) in str(err.value)
     assert _content(spark, raw) == contents[world.spec.raw_table]

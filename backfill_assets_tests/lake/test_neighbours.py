@@ -25,6 +25,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import RESOURCES, SPECS
+from backfill_assets.errors import PublishRefused
 from backfill_assets.lake.offsets import ledger, windows
 from backfill_assets.lake.offsets.contract import window_contract
 from backfill_assets.lake.write import checks, publish, replay
@@ -127,7 +128,7 @@ def test_windows_fixed_before_a_neighbour_published_are_refused_then_rechain(
     assert all(r.passed for r in results), [(r.name, r.summary) for r in results]
     request = publish.raw_request(spark_session, spec, outcome, results)
     request.record = {"table_name": raw, "run_id": run_b}
-    with pytest.raises(publish.PublishRefused) as refused:
+    with pytest.raises(PublishRefused) as refused:
         publish.publish(tables, spark_session, request)
     message = str(refused.value)
     assert "partition 0: hour 2026-03-03T01:00:00+00:00 starts at offset 2" in message

@@ -21,10 +21,9 @@ from confluent_kafka.admin import AdminClient
 
 from backfill_assets.defs.definitions import SPECS
 from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate
-from backfill_assets.errors import KafkaClientError
+from backfill_assets.errors import KafkaClientError, WindowError
 from backfill_assets.lake.coverage import detect
 from backfill_assets.lake.offsets.scan import scan
-from backfill_assets.lake.offsets.windows import WindowError
 from backfill_assets.spec.declared import renamed
 from backfill_assets.stack import catalog
 from backfill_assets.stack.kafka import KafkaClient, offsets_gone

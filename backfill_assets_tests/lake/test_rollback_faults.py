@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 import pytest
 
+from backfill_assets.errors import RollbackError
 from backfill_assets.spec.declared import renamed
 from backfill_assets_tests.support.runs import materialize_range
 
@@ -277,7 +278,7 @@ def test_killed_after_the_table_commit_the_ledger_already_agrees(world: World) -
     _assert_rolled_back(world, stale)
     # Running the rollback again: nothing left to undo, said as such; the ledger's outcome
     # is recorded from the table's commit on the way.
-    with pytest.raises(rollback.RollbackError, match="not live any more"):
+    with pytest.raises(RollbackError, match="not live any more"):
         rollback.rollback(
             world.cat,
             world.ns,

@@ -20,11 +20,11 @@ import yaml
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 from google.protobuf import descriptor_pb2
 
-from backfill_assets.errors import RegistryUnavailable
+from backfill_assets.errors import ColumnsError, RegistryUnavailable, SpecError
 from backfill_assets.ops import cli
 from backfill_assets.spec.loader import load_specs
-from backfill_assets.spec.model import SpecError, TopicSpec
-from backfill_assets.spec.registry_columns import ColumnsError, derive_columns
+from backfill_assets.spec.model import TopicSpec
+from backfill_assets.spec.registry_columns import derive_columns
 from backfill_assets.stack.registry import LocalRegistry
 from backfill_assets.stack.settings import CCOMPAT_PATH
 from backfill_assets_tests.support import services

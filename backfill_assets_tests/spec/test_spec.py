@@ -13,9 +13,10 @@ import pydantic
 import pytest
 import yaml
 
+from backfill_assets.errors import SpecError
 from backfill_assets.spec import declared
 from backfill_assets.spec.loader import load_specs
-from backfill_assets.spec.model import SPEC_PATH, SpecError, TableSpec, TopicSpec
+from backfill_assets.spec.model import SPEC_PATH, TableSpec, TopicSpec
 
 TOPIC_FIELDS = (
     "['allowed_lateness_hours', 'columns', 'current', 'decoders', 'event_id_field', "

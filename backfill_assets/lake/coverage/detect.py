@@ -31,7 +31,7 @@ from typing import Any
 
 from pyiceberg.catalog import Catalog
 
-from backfill_assets.errors import KafkaClientError
+from backfill_assets.errors import KafkaClientError, TopicReplaced
 from backfill_assets.lake.offsets import identity, ledger
 from backfill_assets.lake.offsets.windows import hour_of_ms
 from backfill_assets.spec import declared
@@ -77,7 +77,7 @@ class Findings:
     closed_until: datetime | None = None
     # Kafka's log of the topic is not the ledger's (deleted and recreated, or failed over):
     # no raw or current hour is compared until the new log is adopted
-    replaced: identity.TopicReplaced | None = None
+    replaced: TopicReplaced | None = None
     # Hours the current log holds records for that are covered by publishes of an older log
     # (adopted since): they are not re-read unless those publishes are rolled back
     shadowed: dict[datetime, ledger.Entry] = field(default_factory=dict)
@@ -524,7 +524,7 @@ def _raw_side(
 ) -> tuple[
     dict[datetime, ledger.Entry],
     dict[datetime, dict[int, tuple[int, int]]],
-    identity.TopicReplaced | None,
+    TopicReplaced | None,
     dict[datetime, ledger.Entry],
 ]:
     """The raw table's live publishes, the Kafka hours holding records (with their offsets),

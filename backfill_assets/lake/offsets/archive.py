@@ -59,7 +59,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from backfill_assets.errors import BackfillError
+from backfill_assets.errors import ArchiveError
 from backfill_assets.spec import versions
 from backfill_assets.stack import catalog
 
@@ -102,10 +102,6 @@ def layout_version(topic: str) -> str:
     """The version of what defines the archive of ``topic`` (its file schema and isolation),
     shown by Dagster as the archive asset's ``code_version``."""
     return versions.digest("archive", [topic, SCHEMA.to_string(), ISOLATION, _LOG_DIR])
-
-
-class ArchiveError(BackfillError):
-    """The archive cannot provide what was asked, or could not be written."""
 
 
 @dataclass(frozen=True)

@@ -108,8 +108,8 @@ def offset_contract(
     (those whose position hash is ``decode_residue`` modulo it).
 
     Offsets below a partition's log start offset come from the archive. Raises
-    :class:`~backfill_assets.lake.offsets.windows.WindowNotSealed` or
-    :class:`~backfill_assets.lake.offsets.windows.WindowError` rather than guess.
+    :class:`~backfill_assets.errors.WindowNotSealed` or
+    :class:`~backfill_assets.errors.WindowError` rather than guess.
     """
     windows = scan(
         kafka,
@@ -153,7 +153,7 @@ def window_contract(
 ) -> OffsetContract:
     """Step 1: the window's exact offsets, chained on the raw table's ledger. Needs no Spark,
     so a run does it while its Spark session starts. Raises
-    :class:`~backfill_assets.lake.offsets.identity.TopicReplaced` before computing anything when
+    :class:`~backfill_assets.errors.TopicReplaced` before computing anything when
     Kafka's log of the topic is not the ledger's."""
     cat, raw_name = iceberg.catalog(), iceberg.spark_name(spec.raw_table)
     read = identity.check(kafka, cat, settings.catalog.namespace, spec.topic, raw_name)

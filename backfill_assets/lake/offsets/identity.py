@@ -17,29 +17,9 @@ from typing import Any
 
 from pyiceberg.catalog import Catalog
 
-from backfill_assets.errors import BackfillError
+from backfill_assets.errors import TopicReplaced
 from backfill_assets.lake.offsets import ledger
 from backfill_assets.stack.kafka import KafkaClient, TopicIdentity
-
-
-class TopicReplaced(BackfillError):
-    """Kafka's log of the topic is not the one the ledger's windows were read from."""
-
-    def __init__(self, topic: str, old: TopicIdentity, new: TopicIdentity) -> None:
-        self.topic, self.old, self.new = topic, old, new
-        clusters = ""
-        if old.cluster_id != new.cluster_id:
-            clusters = f" (old cluster id {old.cluster_id}, new cluster id {new.cluster_id})"
-        super().__init__(
-            f"topic {topic!r} was deleted and recreated, or is served by another cluster: "
-            f"Kafka has a new log of it (new topic id {new.topic_id}) while the ledger's "
-            f"windows were read from the old log (old topic id {old.topic_id}){clusters}. The "
-            "new log's offsets restart, so they cannot chain on the published ones: nothing "
-            "was published, and the gap sensor requests no run of the topic. Hours published "
-            "from the old log stay as they are. To read the new log from now on, run "
-            f"`backfill-assets adopt --topic {topic}` (with --dry-run first to see what it "
-            "does and which hours it cannot re-read)."
-        )
 
 
 def compare(topic: str, log: ledger.Log, kafka: TopicIdentity) -> TopicReplaced | None:

@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
+from backfill_assets.errors import WindowError, WindowNotSealed
 from backfill_assets.lake.decode.content import Sample, in_sample
 from backfill_assets.lake.offsets.windows import (
     HOUR,
     Cell,
     Decode,
-    WindowError,
-    WindowNotSealed,
     Windows,
     _ms,
     check_chain,

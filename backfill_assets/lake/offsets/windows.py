@@ -34,26 +34,11 @@ from typing import Any
 
 import xxhash
 
-from backfill_assets.errors import BackfillError
+from backfill_assets.errors import WindowError
 from backfill_assets.lake.decode.content import Sample, partition_seed, position_hash
 from backfill_assets.lake.decode.envelope import WIRE_HEADER
 
 HOUR = timedelta(hours=1)
-
-
-class WindowNotSealed(BackfillError):
-    """An hour of the requested range cannot be fixed to offsets yet; retry later."""
-
-
-class WindowError(BackfillError):
-    """The range cannot be mapped to offsets (missing history, a broken chain).
-
-    ``missing`` holds, per partition, the offsets the range may include that are neither in
-    Kafka nor in the archive (empty for other causes)."""
-
-    def __init__(self, message: str, missing: Mapping[int, tuple[int, int]] | None = None):
-        super().__init__(message)
-        self.missing: dict[int, tuple[int, int]] = dict(missing or {})
 
 
 _INT = struct.Struct("<i")

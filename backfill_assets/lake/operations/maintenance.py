@@ -18,7 +18,7 @@ as the previous step left it, and the pass goes on with the next step):
    retention (what :mod:`backfill_assets.lake.operations.rollback` restores) and the part of main
    every
    kept branch forked from (what a publish's rebase check walks). Rolling back an older
-   publish fails with :class:`~backfill_assets.lake.operations.rollback.RollbackError` naming the
+   publish fails with :class:`~backfill_assets.errors.RollbackError` naming the
    expired snapshot.
 5. **Remove orphan files** older than the orphan retention (files of failed writes).
 
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from pyiceberg.exceptions import NoSuchTableError
 from pyiceberg.table.refs import SnapshotRefType
 
-from backfill_assets.errors import BackfillError
+from backfill_assets.errors import MaintenanceError
 from backfill_assets.lake.offsets import ledger
 from backfill_assets.lake.write import audit, wap
 from backfill_assets.stack import catalog as catalog_mod
@@ -71,10 +71,6 @@ STEPS = (
 _FAILED_EVENTS = ("check_failed", "publish_refused", "run_failed")
 # Bookkeeping tables hold the project's own records; nothing is published to them.
 BOOKKEEPING = (audit.AUDIT_TABLE, ledger.LEDGER_TABLE)
-
-
-class MaintenanceError(BackfillError):
-    """A maintenance pass could not run, or some of its steps failed (named in the message)."""
 
 
 @dataclass

@@ -43,7 +43,7 @@ from pyiceberg.table import Table
 from pyiceberg.table.snapshots import ancestors_of
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
-from backfill_assets.errors import BackfillError
+from backfill_assets.errors import AlreadyRolledBack, RollbackError
 from backfill_assets.lake.offsets import ledger
 from backfill_assets.lake.write import audit
 from backfill_assets.stack.faults import failpoint
@@ -77,14 +77,6 @@ def _specs(specs: list[TopicSpec] | None) -> list[TopicSpec]:
     from backfill_assets.spec.loader import load_specs
 
     return list(specs) if specs is not None else load_specs()
-
-
-class RollbackError(BackfillError):
-    """A rollback was refused or could not be applied; the table is unchanged."""
-
-
-class AlreadyRolledBack(RollbackError):
-    """The publishes to undo on a table are not live any more."""
 
 
 @dataclass

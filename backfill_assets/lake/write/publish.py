@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from backfill_assets.errors import BackfillError
+from backfill_assets.errors import (
+    ChecksFailed,
+    MainMoved,
+    NeighbourMoved,
+    PublishError,
+    PublishRefused,
+    TopicReplaced,
+)
 from backfill_assets.lake.offsets import identity, ledger, windows
 from backfill_assets.lake.write import audit, checks, derived, replay, wap
 from backfill_assets.lake.write.checks import CheckOutcome
@@ -76,34 +83,6 @@ class Published:
     results: list[CheckOutcome]
     recorded_late: list[str] = field(default_factory=list)
     history_error: str | None = None
-
-
-class NotPublished(BackfillError):
-    """Nothing was published; the audit table says why. Carries the branch and its checks."""
-
-    def __init__(self, message: str, branch: wap.Branch, results: list[CheckOutcome]) -> None:
-        super().__init__(message)
-        self.branch = branch
-        self.results = results
-
-
-class ChecksFailed(NotPublished):
-    """A blocking check failed on the branch: main is unchanged."""
-
-    @property
-    def failed(self) -> list[CheckOutcome]:
-        return [r for r in self.results if not r.passed]
-
-
-class PublishRefused(NotPublished):
-    """The checks passed but the publish was refused (an overlapping publish, attempts used
-    up, a branch that could not be committed)."""
-
-    def __init__(
-        self, error: BaseException, branch: wap.Branch, results: list[CheckOutcome]
-    ) -> None:
-        super().__init__(str(error), branch, results)
-        self.error = error
 
 
 def raw_request(
@@ -245,7 +224,7 @@ def publish(
         audit.record(tables, "check_failed", "failed", record, detail=detail)
         raise ChecksFailed(detail, branch, results)
     if error is not None or snapshot is None:
-        error = error or wap.PublishError("nothing was published")
+        error = error or PublishError("nothing was published")
         audit.record(tables, "publish_refused", "failed", record, detail=str(error))
         raise PublishRefused(error, branch, results)
     quarantine_error = _publish_quarantine(session, request)
@@ -302,9 +281,9 @@ def _attempt(
             _check_identity(tables, request)
             _check_neighbours(tables, request)
             return branch, results, wap.publish(session, branch, summary, request.window), None
-        except wap.MainMoved as exc:
+        except MainMoved as exc:
             if attempt + 1 >= attempts:
-                refused = wap.PublishError(
+                refused = PublishError(
                     f"{exc}; gave up after {attempts} attempts (BACKFILL_PUBLISH_ATTEMPTS). "
                     f"Nothing was published; re-run the backfill."
                 )
@@ -312,7 +291,7 @@ def _attempt(
             on_retry(f"{exc} (attempt {attempt + 2} of {attempts})")
             branch, results = request.rebase(attempt + 1)
             record["snapshot_before"] = branch.main_before
-        except (wap.PublishError, identity.TopicReplaced) as exc:
+        except (PublishError, TopicReplaced) as exc:
             return branch, results, None, exc
     return branch, results, None, None
 
@@ -321,7 +300,7 @@ def _check_identity(tables: CatalogClient, request: PublishRequest) -> None:
     """Right before each publish attempt: the log the run's windows were read from must still
     be Kafka's log of the topic and the ledger's (a topic deleted and recreated, or failed
     over, while the run ran raises
-    :class:`~backfill_assets.lake.offsets.identity.TopicReplaced`)."""
+    :class:`~backfill_assets.errors.TopicReplaced`)."""
     if request.topic is None or request.identity is None:
         return
     identity.still_same(
@@ -332,10 +311,6 @@ def _check_identity(tables: CatalogClient, request: PublishRequest) -> None:
         request.table,
         request.identity,
     )
-
-
-class NeighbourMoved(wap.PublishError):
-    """The run's offset windows no longer chain on the windows published beside them."""
 
 
 def _check_neighbours(tables: CatalogClient, request: PublishRequest) -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import ancestors_of
 
-from backfill_assets.errors import BackfillError
+from backfill_assets.errors import MainMoved, PublishError
 from backfill_assets.stack import catalog as catalog_mod
 from backfill_assets.stack.catalog import lost_race, retry_commit
 from backfill_assets.stack.faults import failpoint
@@ -36,14 +36,6 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 SUMMARY_PREFIX = "backfill."
-
-
-class PublishError(BackfillError):
-    """Main could not be moved to the audited snapshot; main is unchanged."""
-
-
-class MainMoved(PublishError):
-    """Main moved under the run, but only through publishes of disjoint hours: rebase."""
 
 
 @dataclass(frozen=True)

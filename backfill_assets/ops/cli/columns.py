@@ -8,12 +8,12 @@ from typing import Any
 import click
 import yaml
 
-from backfill_assets.errors import ArgumentError
+from backfill_assets.errors import ArgumentError, SpecError
 from backfill_assets.ops.cli.common import with_ui
 from backfill_assets.ops.cli.output import Ui
 from backfill_assets.spec import registry_columns
 from backfill_assets.spec.loader import spec_path
-from backfill_assets.spec.model import REGISTRY_FORMATS, SpecError
+from backfill_assets.spec.model import REGISTRY_FORMATS
 from backfill_assets.stack.settings import Settings
 
 

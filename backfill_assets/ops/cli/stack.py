@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import click
 
+from backfill_assets.errors import CdsError
 from backfill_assets.ops.cli.common import Exit, parse_hour, topic_option, with_ui
 from backfill_assets.ops.cli.output import Ui
 from backfill_assets.stack import catalog, jars
@@ -32,7 +33,7 @@ def jars_command(ui: Ui, settings: Settings, action: str) -> int:
         try:
             with ui.spinner("building the Spark CDS archive (a small Spark workload, once)"):
                 path, built = cds.build(settings)
-        except cds.CdsError as err:
+        except CdsError as err:
             ui.note(f"error: {err}")
             return Exit.FAILED
         state = f"built in {time.monotonic() - began:.0f}s" if built else "already built"

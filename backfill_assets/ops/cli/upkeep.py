@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 import dagster as dg
 
-from backfill_assets.errors import ArgumentError
+from backfill_assets.errors import ArgumentError, MaintenanceError
 from backfill_assets.ops.cli import common, output
 from backfill_assets.ops.cli.common import Exit, topic_option, with_ui
 from backfill_assets.ops.cli.common import spec as spec_of
@@ -133,7 +133,7 @@ def maintain_command(ui: Ui, settings: Settings, tables: tuple[str, ...]) -> int
                     progress=ui.note if not ui.json else None,
                     launched_by=f"cli:{getpass.getuser()}",
                 )
-            except maintenance.MaintenanceError as exc:
+            except MaintenanceError as exc:
                 failures.append(str(exc))
                 ui.note(f"error: {exc}")
                 continue
