@@ -80,6 +80,15 @@ class ReplayError(BackfillError):
     """A replay could not read, write or publish its window."""
 
 
+class PostgresError(StackError):
+    """The local Postgres could not be initialised, started, reached or stopped."""
+
+
+class CdcError(StackError):
+    """The CDC source (Postgres, the Kafka Connect worker, a connector) could not be started,
+    reached, configured or stopped."""
+
+
 class SparkConnectError(SettingsError):
     """BACKFILL_SPARK_CONNECT names an endpoint that does not answer as Spark Connect."""
 

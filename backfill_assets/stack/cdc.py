@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backfill_assets.errors import JarResolutionError, StackError
+from backfill_assets.errors import CdcError, JarResolutionError
 from backfill_assets.stack import jars, process
 from backfill_assets.stack.postgres import LOGICAL_DECODING, LocalPostgres, PgServer
 from backfill_assets.stack.settings import Settings
@@ -53,11 +53,6 @@ _INTERNAL_TOPICS = {
 }
 # Answers of a worker that is (re)joining its group: a request is tried again.
 _RETRY_STATUSES = (409, 500, 503)
-
-
-class CdcError(StackError):
-    """The CDC source (Postgres, the Kafka Connect worker, a connector) could not be started,
-    reached, configured or stopped."""
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backfill_assets.errors import StackError
+from backfill_assets.errors import PostgresError
 from backfill_assets.stack import process
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
@@ -34,10 +34,6 @@ PG_USER = "postgres"
 # wal_level=logical: the WAL holds what logical decoding needs; a slot and a WAL sender for
 # each connector (and a few spare for a re-created one).
 LOGICAL_DECODING = {"wal_level": "logical", "max_replication_slots": "8", "max_wal_senders": "8"}
-
-
-class PostgresError(StackError):
-    """The local Postgres could not be initialised, started, reached or stopped."""
 
 
 @dataclass(frozen=True)
