@@ -130,27 +130,18 @@ class LocalBroker:
         self._write_config()
         self._format(java, classpath, cluster_id or new_cluster_id())
         env = {**os.environ, "KAFKA_HEAP_OPTS": ""}
-        with self.log_path.open("ab") as log:
-            proc = subprocess.Popen(
-                [
-                    java,
-                    f"-Xmx{self.settings.kafka.local_heap}",
-                    "-XX:+UseG1GC",
-                    f"-Dlog4j2.configurationFile={_LOG4J_CONFIG}",
-                    f"-Dkafka.logs.dir={self.dir}",
-                    "-cp",
-                    classpath,
-                    _MAIN_CLASS,
-                    str(self.config_path),
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                env=env,
-            )
-        self.pid_path.write_text(f"{proc.pid}\n")
-        return proc
+        cmd = [
+            java,
+            f"-Xmx{self.settings.kafka.local_heap}",
+            "-XX:+UseG1GC",
+            f"-Dlog4j2.configurationFile={_LOG4J_CONFIG}",
+            f"-Dkafka.logs.dir={self.dir}",
+            "-cp",
+            classpath,
+            _MAIN_CLASS,
+            str(self.config_path),
+        ]
+        return process.launch(cmd, self.log_path, self.pid_path, env=env)
 
     def stop(self, timeout_s: float = 30.0) -> bool:
         """Stop the broker this module started (SIGTERM, then SIGKILL). True if one was running."""

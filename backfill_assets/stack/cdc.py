@@ -134,17 +134,7 @@ class ConnectWorker:
             CONNECT_MAIN,
             str(self.config_path),
         ]
-        with self.log_path.open("ab") as log:
-            proc = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                cwd=self.dir,
-            )
-        self.pid_path.write_text(f"{proc.pid}\n")
-        return proc
+        return process.launch(cmd, self.log_path, self.pid_path, cwd=self.dir)
 
     def wait_ready(self, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
         deadline = time.monotonic() + timeout_s

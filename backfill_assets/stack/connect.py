@@ -173,17 +173,9 @@ class LocalConnectServer:
             return self.status()
         process.require_free_port(self.port, ConnectError, "BACKFILL_SPARK_CONNECT_PORT")
         self._write_properties()
-        with self.out_path.open("ab") as out:
-            proc = subprocess.Popen(
-                self.argv(),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                env=self.env(),
-                cwd=self.dir,
-            )
-        self.pid_path.write_text(f"{proc.pid}\n")
+        proc = process.launch(
+            self.argv(), self.out_path, self.pid_path, cwd=self.dir, env=self.env()
+        )
         try:
             self.wait_ready(timeout_s, proc=proc)
         except ConnectError:

@@ -1,5 +1,6 @@
-"""The processes ``stack`` starts (the broker, the schema registry, the Spark Connect server):
-finding Java, a free port, whether a PID is one of ours and alive, stopping it, its log's tail.
+"""The processes ``stack`` starts (the broker, the schema registry, the Spark Connect server,
+the Kafka Connect worker): finding Java, a free port, launching one, whether a PID is one of ours
+and alive, stopping it, its log's tail.
 
 Every helper acts only on processes this package started and recorded in its own PID files.
 """
@@ -10,7 +11,9 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from backfill_assets.errors import StackError
@@ -25,6 +28,31 @@ def java(error: type[StackError], server: str) -> str:
             "(apt-get install openjdk-17-jdk-headless)"
         )
     return found
+
+
+def launch(
+    cmd: list[str],
+    log_path: Path,
+    pid_path: Path,
+    *,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start the server ``cmd`` without waiting for it: in a session of its own, reading
+    nothing, its output (stdout and stderr) appended to ``log_path``, and its PID recorded in
+    ``pid_path`` (what :func:`recorded_pid` and :func:`stop` read)."""
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+            cwd=cwd,
+        )
+    pid_path.write_text(f"{proc.pid}\n")
+    return proc
 
 
 def alive(pid: int) -> bool:

@@ -95,17 +95,7 @@ class LocalRegistry:
             "-jar",
             str(jars.registry_jar_path(self.settings)),
         ]
-        with self.log_path.open("ab") as log:
-            proc = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                cwd=self.dir,
-            )
-        self.pid_path.write_text(f"{proc.pid}\n")
-        return proc
+        return process.launch(cmd, self.log_path, self.pid_path, cwd=self.dir)
 
     def wait_ready(self, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
         deadline = time.monotonic() + timeout_s
