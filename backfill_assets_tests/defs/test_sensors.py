@@ -300,6 +300,7 @@ def test_old_ledger_gains_event_hours_in_place(iceberg_catalog: Catalog) -> None
         "reads",
         "topic_id",
         "cluster_id",
+        "reason",
     )
     old_schema = pa.schema([f for f in ledger.SCHEMA if f.name not in newer])
     table = iceberg_catalog.create_table(f"{ns}.{ledger.LEDGER_TABLE}", schema=old_schema)
