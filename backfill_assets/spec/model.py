@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, get_args
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictFloat,
@@ -41,9 +42,27 @@ if TYPE_CHECKING:
 SPEC_PATH = Path(__file__).resolve().parent / "topics.yaml"
 ColumnType = Literal["string", "bigint", "int", "double", "boolean", "timestamp"]
 COLUMN_TYPES: tuple[str, ...] = get_args(ColumnType)
-# The Spark SQL type of each column type (the names happen to agree; this is the one place
-# that says so).
-SPARK_TYPES: dict[str, str] = {t: t for t in COLUMN_TYPES}
+# An exact decimal column: ``decimal(p,s)``, 1 <= p <= 38, 0 <= s <= p (Spark's own bounds).
+DECIMAL_TYPE = re.compile(r"decimal\(\s*(\d+)\s*,\s*(\d+)\s*\)")
+
+
+def decimal_of(column_type: str) -> tuple[int, int] | None:
+    """(precision, scale) of a ``decimal(p,s)`` column type, None for any other type."""
+    found = DECIMAL_TYPE.fullmatch(column_type)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+class _SparkTypes(dict[str, str]):
+    """The Spark SQL type of each column type: the names happen to agree (this is the one
+    place that says so), ``decimal(p,s)`` included."""
+
+    def __missing__(self, key: str) -> str:
+        if decimal_of(key) is None:
+            raise KeyError(key)
+        return key
+
+
+SPARK_TYPES: dict[str, str] = _SparkTypes({t: t for t in COLUMN_TYPES})
 # Kafka's own default limit for one record batch (message.max.bytes) is about 1 MiB.
 DEFAULT_MAX_RECORD_BYTES = 1_048_576
 Upcaster = Callable[["Column"], dict[str, "Column"]]
@@ -123,11 +142,32 @@ def _importable(target: str) -> str:
     return target
 
 
+def _column_type(value: Any) -> Any:
+    """A column type: one of :data:`COLUMN_TYPES`, or ``decimal(p,s)`` (written without
+    spaces)."""
+    if isinstance(value, str):
+        found = decimal_of(value.strip())
+        if found is not None:
+            precision, scale = found
+            if not 1 <= precision <= 38 or scale > precision:
+                raise ValueError(
+                    f"{value!r}: a decimal needs 1 <= precision <= 38 and scale <= precision"
+                )
+            return f"decimal({precision},{scale})"
+        if value in COLUMN_TYPES:
+            return value
+    allowed = ", ".join(repr(t) for t in COLUMN_TYPES)
+    raise ValueError(f"must be {allowed} or 'decimal(p,s)' (got {value!r})")
+
+
 class ColumnSpec(_Spec):
     """A column of a topic's records or of a declared table."""
 
     name: str = Field(description="the payload field (topic) or output column (table)")
-    type: ColumnType = Field(description="its Spark type")
+    type: Annotated[str, BeforeValidator(_column_type)] = Field(
+        description="its Spark type: string, bigint, int, double, boolean, timestamp or "
+        "decimal(p,s) (exact: from a JSON number, or a Debezium topic's decimal string)"
+    )
     nullable: bool = Field(default=True, description="false quarantines (or fails) rows without it")
     allowed: tuple[str, ...] | None = Field(default=None, description="the only values it may take")
     min: StrictInt | StrictFloat | None = Field(
@@ -235,6 +275,27 @@ class CurrentSpec(_Spec):
     )
 
 
+# The columns every row of a Debezium topic (``envelope: debezium``) holds besides the source
+# table's, added to its columns by the spec (docs/cdc.md): the change's op (r snapshot read, c
+# create, u update, d delete), its position in the source's log (``source.lsn``), Debezium's
+# processing time (``ts_ms``), the source's commit time (``source.ts_ms``, the event time), an
+# id per change (``<lsn>:<op>:<key>``: a change delivered twice has one id) and the source
+# columns whose unchanged out-of-line (TOAST) value the change does not carry (comma-separated).
+CDC_COLUMNS: tuple[ColumnSpec, ...] = (
+    ColumnSpec(name="cdc_op", type="string", nullable=False, allowed=("r", "c", "u", "d")),
+    ColumnSpec(name="cdc_lsn", type="bigint", nullable=False),
+    ColumnSpec(name="cdc_ts_ms", type="bigint"),
+    ColumnSpec(name="cdc_source_ts", type="timestamp", nullable=False),
+    ColumnSpec(name="cdc_event_id", type="string", nullable=False),
+    ColumnSpec(name="cdc_unavailable", type="string"),
+)
+CDC_NAMES = tuple(c.name for c in CDC_COLUMNS)
+# A Debezium topic's current-state rule: deletes are ops d (and tombstones); the order is the
+# source's log position (derived.py), order_ts shows the commit time.
+CDC_CURRENT = {"order_by": "cdc_source_ts", "deleted_when": "cdc_op = 'd'"}
+# Key column types a Debezium topic's key field may have (its value is part of cdc_event_id).
+CDC_KEY_TYPES = ("string", "bigint", "int")
+
 FORMATS = ("json", "avro", "json_schema", "protobuf")
 # The formats whose values are in Confluent's wire format and name a registry subject.
 REGISTRY_FORMATS = ("avro", "json_schema", "protobuf")
@@ -248,12 +309,86 @@ def _binary_fields(spec: TopicSpec) -> None:
         "protobuf": "every version is read as the columns by field name (a field the writer "
         "lacks NULL, int32 widened to bigint, float to double)",
     }[spec.format]
+    decimals = [c.name for c in spec.columns if decimal_of(c.type) is not None]
+    if decimals:
+        raise ValueError(f"columns: an {spec.format} topic has no decimal columns yet: {decimals}")
     for name in ("version_field", "upcasters", "decoders"):
         if getattr(spec, name):
             raise ValueError(
                 f"{name}: an {spec.format} topic has none; each record names its writer schema "
                 f"by the registry id in its wire format, and {how}"
             )
+
+
+def _format_fields(spec: TopicSpec) -> None:
+    """Raise if a field does not fit the topic's format or envelope."""
+    if spec.envelope is not None or spec.schemas is not None:
+        _cdc_fields(spec)
+    if spec.format in ("avro", "protobuf"):
+        _binary_fields(spec)
+    elif spec.subject is not None and spec.format not in REGISTRY_FORMATS:
+        raise ValueError(
+            "subject: only an avro, json_schema or protobuf topic reads a schema registry subject"
+        )
+    if spec.message is not None and spec.format != "protobuf":
+        raise ValueError("message: only a protobuf topic names the message its records hold")
+
+
+def _cdc_defaults(data: dict[str, Any]) -> dict[str, Any]:
+    """A Debezium topic's entry with the CDC columns added (unless already there: a dumped
+    spec) and its event id and time defaulting to theirs."""
+    columns = data.get("columns")
+    if isinstance(columns, list | tuple):
+        names = {
+            c.get("name") if isinstance(c, dict) else getattr(c, "name", None) for c in columns
+        }
+        if not names & set(CDC_NAMES):
+            columns = [*columns, *(c.model_dump(exclude_defaults=True) for c in CDC_COLUMNS)]
+    return {
+        "event_id_field": "cdc_event_id",
+        "event_time_field": "cdc_source_ts",
+        **data,
+        "columns": columns,
+    }
+
+
+def _cdc_fields(spec: TopicSpec) -> None:
+    """Raise unless a Debezium topic's fields agree (docs/cdc.md)."""
+    if spec.envelope is None:
+        raise ValueError("schemas: only a topic with `envelope: debezium` names its schemas mode")
+    if spec.schemas is None:
+        raise ValueError(
+            "schemas: a Debezium topic says how its converter writes: `embedded` "
+            "(schemas.enable=true) or `none`"
+        )
+    if spec.format != "json":
+        raise ValueError(
+            "envelope: debezium reads Kafka's JSON converter (format: json); Avro through the "
+            "schema registry is not supported yet"
+        )
+    for name in ("version_field", "upcasters", "decoders"):
+        if getattr(spec, name):
+            raise ValueError(
+                f"{name}: a Debezium topic's columns are read from `after` as declared"
+            )
+    if spec.tables:
+        raise ValueError("tables: declared tables over a Debezium topic are not supported yet")
+    cdc = tuple(c for c in spec.columns if c.name in CDC_NAMES or c.name.startswith("cdc_"))
+    if cdc != CDC_COLUMNS:
+        raise ValueError(
+            f"columns: names starting with cdc_ are the envelope's own {list(CDC_NAMES)}, added "
+            "by the spec: rename the source column"
+        )
+    key = next((c for c in spec.columns if c.name == spec.key_field), None)
+    if key is not None and key.type not in CDC_KEY_TYPES:
+        raise ValueError(f"key_field: a Debezium topic's key must be one of {list(CDC_KEY_TYPES)}")
+    rule = spec.current
+    if rule is not None and (rule.order_by, rule.deleted_when) != tuple(CDC_CURRENT.values()):
+        raise ValueError(
+            "current: a Debezium topic's current state orders by the source's log position "
+            "(cdc_lsn, then the Kafka offset) and deletes on op d; order_by and deleted_when "
+            "cannot be set"
+        )
 
 
 # Kafka's own rule for a topic name (kafka.common.internals.Topic): at most 249 characters.
@@ -294,6 +429,18 @@ class TopicSpec(_Spec):
         "magic byte 0, the registry's 4-byte schema id, Avro binary); json_schema (the same "
         "header, then UTF-8 JSON read by the json format's rules); or protobuf (the header, the "
         "message-index path, protobuf binary)"
+    )
+    envelope: Literal["debezium"] | None = Field(
+        default=None,
+        description="debezium: each value is a Debezium change event (Kafka's JSON converter); "
+        "the columns are the source table's, read from `after` (the key from `before` for a "
+        "delete), and the CDC_COLUMNS are added (docs/cdc.md)",
+    )
+    schemas: Literal["embedded", "none"] | None = Field(
+        default=None,
+        description="envelope debezium: `embedded` when keys and values are "
+        '`{"schema": ..., "payload": ...}` (converter schemas.enable=true), `none` when they '
+        "are the bare JSON",
     )
     message: str | None = Field(
         default=None,
@@ -348,9 +495,13 @@ class TopicSpec(_Spec):
         }
         if data.get("format") in REGISTRY_FORMATS and data.get("subject") is None:
             data["subject"] = f"{data.get('topic')}-value"
+        if data.get("envelope") == "debezium":
+            data = _cdc_defaults(data)
         if data.get("version_field") is None and data.get("latest_version") is None:
             data["latest_version"] = 1  # no version field: every record is read as the columns
         rule = {"key": data.get("key_field"), "order_by": data.get("event_time_field")}
+        if data.get("envelope") == "debezium":
+            rule = {"key": data.get("key_field"), **CDC_CURRENT}
         if isinstance(data.get("current"), dict | None) and None not in rule.values():
             data["current"] = {**rule, **(data.get("current") or {})}
         lateness = data.get("allowed_lateness_hours")
@@ -408,15 +559,7 @@ class TopicSpec(_Spec):
     @model_validator(mode="after")
     def _fields_agree(self) -> TopicSpec:
         names = [c.name for c in self.columns]
-        if self.format in ("avro", "protobuf"):
-            _binary_fields(self)
-        elif self.subject is not None and self.format not in REGISTRY_FORMATS:
-            raise ValueError(
-                "subject: only an avro, json_schema or protobuf topic reads a schema registry "
-                "subject"
-            )
-        if self.message is not None and self.format != "protobuf":
-            raise ValueError("message: only a protobuf topic names the message its records hold")
+        _format_fields(self)
         for field in ("key_field", "event_id_field"):
             if getattr(self, field) not in names:
                 raise ValueError(f"{field}: {getattr(self, field)!r} is not one of the columns")
@@ -446,6 +589,29 @@ class TopicSpec(_Spec):
                 raise ValueError(f"current.key: {self.current.key!r} is not one of the columns")
             _timestamp_column(self.columns, self.current.order_by, "current.order_by")
         return self
+
+    @property
+    def source_columns(self) -> tuple[ColumnSpec, ...]:
+        """The columns the records' payloads carry (a Debezium topic's source table's, without
+        the :data:`CDC_COLUMNS`)."""
+        if self.envelope != "debezium":
+            return self.columns
+        return tuple(c for c in self.columns if c.name not in CDC_NAMES)
+
+    @property
+    def contract_columns(self) -> tuple[ColumnSpec, ...]:
+        """The raw table's contract: the columns, except that a Debezium topic's source columns
+        other than the key may be NULL there (a delete carries the key only, an update may
+        leave out an unchanged TOAST value); the parse quarantines any other missing value and
+        the current state's contract holds the declared nullability."""
+        if self.envelope != "debezium":
+            return self.columns
+        return tuple(
+            c.model_copy(update={"nullable": True})
+            if c.name not in CDC_NAMES and c.name != self.key_field
+            else c
+            for c in self.columns
+        )
 
     @property
     def raw_table(self) -> str:

@@ -19,10 +19,10 @@ from backfill_assets.spec.loader import load_specs
 from backfill_assets.spec.model import SPEC_PATH, TableSpec, TopicSpec
 
 TOPIC_FIELDS = (
-    "['allowed_lateness_hours', 'columns', 'current', 'decoders', 'event_id_field', "
+    "['allowed_lateness_hours', 'columns', 'current', 'decoders', 'envelope', 'event_id_field', "
     "'event_time_field', 'format', 'key_field', 'latest_version', 'max_record_bytes', 'message', "
-    "'name', 'partition_start', 'quarantine_max_ratio', 'subject', 'tables', 'topic', 'upcasters', "
-    "'version_field']"
+    "'name', 'partition_start', 'quarantine_max_ratio', 'schemas', 'subject', 'tables', 'topic', "
+    "'upcasters', 'version_field']"
 )
 TABLE_FIELDS = (
     "['columns', 'description', 'event_time', 'grain', 'lateness_hours', 'lookback_hours', "
@@ -160,7 +160,7 @@ def test_specs_are_frozen_and_copied_with_model_copy() -> None:
         (
             {"columns": [{"name": "event_id", "type": "uuid"}]},
             "topic 'orders', column 'event_id': columns[0].type: must be 'string', 'bigint', "
-            "'int', 'double', 'boolean' or 'timestamp' (got 'uuid')",
+            "'int', 'double', 'boolean', 'timestamp' or 'decimal(p,s)' (got 'uuid')",
         ),
         (
             {"format": "xml"},
@@ -218,7 +218,8 @@ def test_bad_fields_are_named(tmp_path: Path, mutate: dict[str, object], message
         (
             {"columns": [{"name": "event_time", "type": "date", "nullable": False}]},
             "table 'orders_large_paid', column 'event_time': tables[1].columns[0].type: must be "
-            "'string', 'bigint', 'int', 'double', 'boolean' or 'timestamp' (got 'date')",
+            "'string', 'bigint', 'int', 'double', 'boolean', 'timestamp' or 'decimal(p,s)' "
+            "(got 'date')",
         ),
         (
             {"measures": ["amount_minor", {"name": "rows", "tabel": "count(*)"}]},
