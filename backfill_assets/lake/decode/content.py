@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from backfill_assets.lake.decode import avro, json_schema, protobuf
-from backfill_assets.spec.model import ColumnSpec, TopicSpec
+from backfill_assets.lake.decode import avro, debezium, json_schema, protobuf
+from backfill_assets.spec.model import CDC_NAMES, ColumnSpec, TopicSpec, decimal_of
 from backfill_assets.spec.transforms import reference
 
 if TYPE_CHECKING:
@@ -166,8 +166,28 @@ def row_hash(
     return _row_hash(partition, offset, tombstone, _packers(columns), values)
 
 
+def _decimal(precision: int, scale: int) -> Callable[[Any], bytes]:
+    """How Spark's xxhash64 sees a ``decimal(precision, scale)``: its unscaled value as a long
+    up to 18 digits, else the unscaled value's minimal two's-complement bytes (Java's
+    ``BigInteger.toByteArray``)."""
+
+    def pack(value: Any) -> bytes:
+        unscaled = int(value.scaleb(scale))
+        if precision <= 18:
+            return _LONG.pack(unscaled)
+        magnitude = ~unscaled if unscaled < 0 else unscaled
+        return unscaled.to_bytes(magnitude.bit_length() // 8 + 1, "big", signed=True)
+
+    return pack
+
+
+def _packer(column_type: str) -> Callable[[Any], bytes]:
+    decimal = decimal_of(column_type)
+    return _AS_BYTES[column_type] if decimal is None else _decimal(*decimal)
+
+
 def _packers(columns: tuple[ColumnSpec, ...]) -> list[tuple[str, Callable[[Any], bytes]]]:
-    return [(c.name, _AS_BYTES[c.type]) for c in columns]
+    return [(c.name, _packer(c.type)) for c in columns]
 
 
 def _row_hash(
@@ -184,6 +204,10 @@ def _row_hash(
         if value is not None:
             h = _XXH64(pack(value), h)
     return h - _TWO_64 if h >= _TWO_63 else h
+
+
+# A column's rules: (name, nullable, allowed, min, max, is a timestamp).
+_Rule = tuple[str, bool, frozenset[str] | None, Any, Any, bool]
 
 
 class RecordDecoder:
@@ -210,6 +234,8 @@ class RecordDecoder:
                     f"topic {spec.topic!r} is json_schema: its decode needs a registry URL"
                 )
             self.wire = json_schema.WireCheck(registry_url)
+        # A Debezium topic's envelope, read in plain Python.
+        self.cdc = debezium.Reference(spec) if spec.envelope == "debezium" else None
         self.columns = spec.columns
         self.references: dict[int, Callable[[reference.Payload], Any] | None] = {
             v: spec.decoder(v) for v in spec.versions
@@ -217,7 +243,7 @@ class RecordDecoder:
         self.unverified = sorted(v for v, ref in self.references.items() if ref is None)
         self.packers = _packers(spec.columns)
         # (name, nullable, allowed, min, max, is a timestamp), in the replay's order
-        self.rules = [
+        self.rules: list[_Rule] = [
             (
                 c.name,
                 c.nullable,
@@ -238,15 +264,42 @@ class RecordDecoder:
             return QUARANTINED, f"record_too_large:{size}"
         key_text = _utf8(key)
         if value is None:
-            if key_text is None:
-                return QUARANTINED, f"missing_or_invalid:{spec.key_field}"
-            return ROW, _row_hash(partition, offset, True, self.packers, {spec.key_field: key_text})
+            return self._tombstone(partition, offset, key_text)
         if self.decode is not None:
             return self._decoded(partition, offset, value)
         payload = self._json(value)
         if isinstance(payload, str):
             return QUARANTINED, payload
+        if self.cdc is not None:
+            return self._change(partition, offset, payload)
         return self._event(partition, offset, key_text, payload)
+
+    def _tombstone(self, partition: int, offset: int, key_text: str | None) -> Decoded:
+        """A tombstone: a row with its key (a Debezium key's field), if it has one."""
+        key = key_text if self.cdc is None else self.cdc.tombstone_key(key_text)
+        if key is None:
+            return QUARANTINED, f"missing_or_invalid:{self.spec.key_field}"
+        return ROW, _row_hash(partition, offset, True, self.packers, {self.spec.key_field: key})
+
+    def _change(self, partition: int, offset: int, payload: dict[str, Any]) -> Decoded:
+        """A Debezium change event: its key and cdc columns' rules, then (unless a delete) the
+        other columns', where a column Debezium left out (TOAST) is not missing."""
+        assert self.cdc is not None
+        row = self.cdc(payload)
+        if isinstance(row, str):
+            return QUARANTINED, row
+        key = self.spec.key_field
+        first = [r for r in self.rules if r[0] == key] + [
+            r for r in self.rules if r[0] in CDC_NAMES
+        ]
+        reason = self._violation(row, first)
+        if reason is None and row["cdc_op"] != debezium.DELETE:
+            unavailable = frozenset((row["cdc_unavailable"] or "").split(","))
+            rest = [r for r in self.rules if r not in first]
+            reason = self._violation(row, rest, unavailable)
+        if reason is not None:
+            return QUARANTINED, reason
+        return ROW, _row_hash(partition, offset, False, self.packers, row)
 
     def _json(self, value: bytes) -> dict[str, Any] | str:
         """The JSON object of a json (or json_schema, after its header) value, or the reason
@@ -292,13 +345,19 @@ class RecordDecoder:
             return QUARANTINED, reason
         return ROW, _row_hash(partition, offset, False, self.packers, row)
 
-    def _violation(self, row: dict[str, Any]) -> str | None:
-        """The first column rule a row breaks, in the replay's order."""
+    def _violation(
+        self,
+        row: dict[str, Any],
+        rules: list[_Rule] | None = None,
+        excused: frozenset[str] = frozenset(),
+    ) -> str | None:
+        """The first column rule (of ``rules``, default all) a row breaks, in the replay's
+        order; a NULL in a column of ``excused`` is not missing."""
         low, high = TIMESTAMP_RANGE_US
-        for name, nullable, allowed, least, most, stamp in self.rules:
+        for name, nullable, allowed, least, most, stamp in self.rules if rules is None else rules:
             value = row.get(name)
             if value is None:
-                if not nullable:
+                if not nullable and name not in excused:
                     return f"missing_or_invalid:{name}"
                 continue
             if allowed is not None and value not in allowed:

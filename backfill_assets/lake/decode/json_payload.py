@@ -39,7 +39,7 @@ def json_stage(
             version_expr = json_field(v, f"$.{spec.version_field}", "int")
         upcast = {ver: spec.upcaster(ver)(v) for ver in spec.versions}
         present = reader.field(f"$.{spec.key_field}", "present")
-    df, kafka_cols = _payload_stage(raw, reader, payload)
+    df, kafka_cols = payload_stage(raw, reader, payload)
     df = df.select(
         *kafka_cols,
         "_j",
@@ -71,7 +71,7 @@ def json_stage(
     return df, kafka_cols
 
 
-def _payload_stage(
+def payload_stage(
     raw: DataFrame, reader: StrictReader, payload: Column | None = None
 ) -> tuple[DataFrame, list[str]]:
     """The Kafka columns, the strict reader's struct ``_j`` and the payload as VARIANT ``_v``

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets.lake.decode import avro, json_schema, protobuf
+from backfill_assets.lake.decode import avro, debezium, json_schema, protobuf
 from backfill_assets.lake.decode.envelope import KAFKA_COLUMNS, WIRE_HEADER, id_column
 from backfill_assets.lake.decode.json_payload import json_rules, json_stage
-from backfill_assets.spec.model import ColumnSpec, TopicSpec
+from backfill_assets.spec.model import CDC_NAMES, ColumnSpec, TopicSpec
 from backfill_assets.stack.spark import cache_on_disk
 
 if TYPE_CHECKING:
@@ -53,10 +53,16 @@ QUARANTINE_RULES = (
         "nesting deeper than the parser's limit (1000)",
     ),
     ("not_json_object", "a JSON array, string, number, boolean or null"),
+    *debezium.REASONS,
     ("invalid_avro:<id>", "avro: the bytes do not decode with their writer schema"),
     ("invalid_protobuf:<id>", "protobuf: the bytes do not parse as the writer schema's message"),
     ("unknown_schema_version:<n|?>", "version not an upcaster's; ? if absent or not an integer"),
-    ("missing_or_invalid:<column>", "a non-nullable column absent, null or of the wrong JSON kind"),
+    (
+        "missing_or_invalid:<column>",
+        "a non-nullable column absent, null or of the wrong JSON kind (debezium: the key and "
+        "cdc columns first; a column Debezium marks unavailable (TOAST) is not missing)",
+    ),
+    ("(table row)", "debezium: a delete (op d) whose key and cdc columns are valid"),
     ("not_allowed:<column>", "a value outside the column's allowed list"),
     ("below_min:<column> / above_max:<column>", "a number outside the column's min / max"),
     ("out_of_range:<column>", "a timestamp outside TIMESTAMP_RANGE"),
@@ -106,6 +112,9 @@ def parse(
             ],
         )
         reason = _reason(spec, _avro_rules())
+    elif spec.envelope == "debezium":
+        df, kafka_cols = debezium.decode_stage(spec, raw)
+        reason = _reason(spec, debezium.rules())
     elif spec.format == "json_schema":
         # The header's id, carried through the JSON stages; the JSON is what follows it.
         payload = F.expr(f"substring(value, {WIRE_HEADER + 1})")
@@ -152,8 +161,21 @@ def _reason(spec: TopicSpec, payload_rules: list[tuple[Column, Column]]) -> Colu
     reason = reason.when(F.length("kafka_value") == 0, F.lit("empty_value"))
     for condition, why in payload_rules:
         reason = reason.when(condition, why)
-    for col in spec.columns:
+    if spec.envelope != "debezium":
+        for col in spec.columns:
+            reason = _column_rules(reason, col)
+        return reason
+    # A change event: its key and cdc columns; a delete has no other (its before is filler);
+    # a column Debezium marks unavailable (an unchanged TOAST value) is not missing.
+    first = [c for c in spec.columns if c.name == spec.key_field] + [
+        c for c in spec.columns if c.name in CDC_NAMES
+    ]
+    for col in first:
         reason = _column_rules(reason, col)
+    reason = reason.when(F.col("cdc_op") == F.lit(debezium.DELETE), F.lit(None).cast("string"))
+    for col in spec.columns:
+        if col not in first:
+            reason = _column_rules(reason, col, debezium.unavailable(col.name))
     return reason
 
 
@@ -165,12 +187,14 @@ def _avro_rules() -> list[tuple[Column, Column]]:
     return [(F.col("_wire").isNotNull(), F.col("_wire"))]
 
 
-def _column_rules(reason: Column, col: ColumnSpec) -> Column:
+def _column_rules(reason: Column, col: ColumnSpec, excused: Column | None = None) -> Column:
+    """``reason`` with the column's contract; ``excused``: where a NULL is not missing."""
     from pyspark.sql import functions as F
 
     c = F.col(col.name)
     if not col.nullable:
-        reason = reason.when(c.isNull(), F.lit(f"missing_or_invalid:{col.name}"))
+        missing = c.isNull() if excused is None else c.isNull() & ~excused
+        reason = reason.when(missing, F.lit(f"missing_or_invalid:{col.name}"))
     if col.allowed is not None:
         reason = reason.when(~c.isin(list(col.allowed)), F.lit(f"not_allowed:{col.name}"))
     if col.min is not None:

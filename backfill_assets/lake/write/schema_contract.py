@@ -265,7 +265,7 @@ def contract_schema(columns: tuple[ColumnSpec, ...]) -> pa.DataFrameSchema:
             # vectorized (an element-wise Python check cost more than the rest of pandera).
             checks.append(pa.Check(_all_strings, element_wise=False, name="is_str"))
         nullable_int = c.nullable and c.type in ("bigint", "int")
-        dtype = None if c.type in ("timestamp", "string") or nullable_int else dtypes[c.type]
+        dtype = None if nullable_int else dtypes.get(c.type)
         cols[c.name] = pa.Column(dtype, checks=checks, nullable=c.nullable, coerce=False)
     return pa.DataFrameSchema(cols, strict=True)
 
