@@ -126,8 +126,9 @@ def raw_columns(spec: TopicSpec) -> list[dg.TableColumn]:
 
 def current_columns(spec: TopicSpec) -> list[dg.TableColumn]:
     key = spec.current.key if spec.current is not None else spec.key_field
+    key_type = next(c.type for c in spec.columns if c.name == key)
     return [
-        _column(key, "string"),
+        _column(key, key_type),
         *(_column(c.name, c.type, c) for c in spec.columns if c.name != key),
         *(_column(n, t) for n, t in CURRENT_META_COLUMNS),
     ]

@@ -122,7 +122,7 @@ def run_checks(spark: SparkSession, spec: TopicSpec, outcome: ReplayOutcome) -> 
         _checksum(table_side, outcome),
         _schema_contract(branch, spec, outcome.rows_written)
         if counted is None
-        else contract_outcome(counted, spec.columns),
+        else contract_outcome(counted, spec.contract_columns),
         _uniqueness(table_side),
         _quarantine_ratio(spec, outcome),
         _named(spark, spec, outcome, _decoded_content(table_side, outcome)),
@@ -187,7 +187,7 @@ def table_figures(
     counters = None
     if contract:
         events = branch.select(*[c.name for c in spec.columns])
-        counters = contract_violations(contract_schema(spec.columns), events)
+        counters = contract_violations(contract_schema(spec.contract_columns), events)
     return _figures_in_spark(
         _figure_inputs(branch, quarantine, spec, counters, content_sample), counters
     )
@@ -909,7 +909,7 @@ def _schema_contract(branch: DataFrame, spec: TopicSpec, rows: int) -> CheckOutc
     from pyspark.sql import functions as F
 
     events = branch.where(~F.col("is_tombstone")).select(*[c.name for c in spec.columns])
-    return schema_contract(events, spec.columns, at_most=rows)
+    return schema_contract(events, spec.contract_columns, at_most=rows)
 
 
 def schema_contract(

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from backfill_assets.lake.write import checks
 from backfill_assets.lake.write.checks import CheckOutcome
+from backfill_assets.lake.write.tables import add_columns
 from backfill_assets.lake.write.wap import Branch, open_branch, ref_snapshot
 from backfill_assets.spec import declared
 from backfill_assets.spec.model import EVENT_META_COLUMNS, SPARK_TYPES, TableSpec, TopicSpec
@@ -695,11 +696,14 @@ def build_current(
 
 
 def _ensure_current_table(spark: SparkSession, spec: TopicSpec, table: str) -> None:
-    """Create the current-state table if it does not exist; refuse one with the old layout."""
+    """Create the current-state table if it does not exist (the key as its column's type, a
+    string before the key took it); refuse one with the old layout; add the columns the spec
+    gained since."""
     key = spec.current_rule.key
-    cols = ", ".join(f"{c.name} {c.type}" for c in spec.columns if c.name != key)
+    cols = ", ".join(f"{c.name} {SPARK_TYPES[c.type]}" for c in spec.columns if c.name != key)
+    key_type = next(SPARK_TYPES[c.type] for c in spec.columns if c.name == key)
     spark.sql(
-        f"CREATE TABLE IF NOT EXISTS {table} ({key} string, {cols}, "
+        f"CREATE TABLE IF NOT EXISTS {table} ({key} {key_type}, {cols}, "
         "deleted boolean, order_ts timestamp, kafka_timestamp timestamp, kafka_hour timestamp, "
         "kafka_partition int, kafka_offset bigint) "
         "USING iceberg TBLPROPERTIES ('format-version'='2')"
@@ -709,6 +713,9 @@ def _ensure_current_table(spark: SparkSession, spec: TopicSpec, table: str) -> N
             f"table {table} has the old layout; drop it (DROP TABLE {table} PURGE) and re-run "
             "the current-state backfill"
         )
+    add_columns(
+        spark, table, [(c.name, SPARK_TYPES[c.type]) for c in spec.columns if c.name != key]
+    )
 
 
 def _current_source(
@@ -741,16 +748,18 @@ def _current_source(
         .distinct()
         .localCheckpoint(eager=True)
     )
-    picked = _picked(spec, raw, touched).localCheckpoint(eager=True)
+    cdc = spec.envelope == "debezium"
+    picked = (picked_by_position if cdc else _picked)(spec, raw, touched)
+    picked = picked.localCheckpoint(eager=True)
     deleted = F.col("is_tombstone")
     if rule.deleted_when is not None:
         deleted = deleted | F.coalesce(F.expr(rule.deleted_when), F.lit(False))
-    winners = (
-        raw.where(_hours_of(picked))
-        .join(picked, list(_POSITION), "left_semi")
-        .withColumn("order_ts", F.coalesce(F.col(rule.order_by), F.col("kafka_timestamp")))
-        .select(key, *payload, deleted.alias("deleted"), *_STATE_COLUMNS[1:])
-    )
+    winners = raw.where(_hours_of(picked)).join(picked, list(_POSITION), "left_semi")
+    if cdc:
+        winners = _fill_unavailable(spec, raw, winners)
+    winners = winners.withColumn(
+        "order_ts", F.coalesce(F.col(rule.order_by), F.col("kafka_timestamp"))
+    ).select(key, *payload, deleted.alias("deleted"), *_STATE_COLUMNS[1:])
     # Touched keys with no raw row left (their hours were rolled back) are removed.
     source = (
         touched.join(winners, key, "left")
@@ -781,6 +790,92 @@ def _picked(spec: TopicSpec, raw: DataFrame, touched: DataFrame) -> DataFrame:
     order = F.coalesce(F.col(rule.order_by), F.col("kafka_timestamp"))
     return newest(events.unionByName(mine.where(F.col("is_tombstone"))), key, order).select(
         *_POSITION
+    )
+
+
+def cdc_position() -> Column:
+    """A Debezium row's position in the source's log: (``cdc_lsn``, 0 for a snapshot read
+    else 1). A snapshot's reads all carry the LSN its slot started at and show the table as of
+    that point; a change can carry that same LSN and is then newer than the read, whichever
+    reached Kafka first (docs/cdc.md)."""
+    from pyspark.sql import functions as F
+
+    rank = F.when(F.col("cdc_op") == F.lit("r"), F.lit(0)).otherwise(F.lit(1))
+    return F.struct(F.col("cdc_lsn").alias("lsn"), rank.alias("rank"))
+
+
+def picked_by_position(spec: TopicSpec, raw: DataFrame, touched: DataFrame) -> DataFrame:
+    """A Debezium topic's :func:`_picked`: each touched key's latest row by its position in the
+    source's log (:func:`cdc_position`), then by the version rule (:func:`newest`: the later
+    offset within a partition), never by arrival alone. A tombstone has no position of its
+    own: it takes the largest position before it among its key's rows in its partition (the
+    delete it follows), so the later offset then makes it the latest; one with nothing before
+    it (compacted away) loses to any row with a position."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    key = spec.current_rule.key
+    narrow = raw.select(
+        key, "is_tombstone", "kafka_timestamp", *_POSITION, cdc_position().alias("_own")
+    )
+    before = (
+        Window.partitionBy(key, "kafka_partition")
+        .orderBy("kafka_offset")
+        .rowsBetween(Window.unboundedPreceding, Window.currentRow)
+    )
+    mine = _among(narrow, touched, key).withColumn(
+        "_position",
+        F.when(
+            F.col("is_tombstone"), F.max(F.when(~F.col("is_tombstone"), F.col("_own"))).over(before)
+        ).otherwise(F.col("_own")),
+    )
+    return newest(mine, key, F.col("_position")).select(*_POSITION)
+
+
+def _fill_unavailable(spec: TopicSpec, raw: DataFrame, winners: DataFrame) -> DataFrame:
+    """``winners`` (whole raw rows) with each column their Debezium change left out (an
+    unchanged TOAST value, named in ``cdc_unavailable``) taken from the key's latest earlier
+    row that carries it, by position (:func:`cdc_position`, then Kafka offset); ``cdc_unavailable``
+    then names the columns no earlier row carries (left NULL: the current state never holds
+    the placeholder nor a guess)."""
+    from pyspark.sql import functions as F
+
+    from backfill_assets.lake.decode.debezium import toastable, unavailable
+
+    key = spec.current_rule.key
+    columns = [c.name for c in spec.source_columns if toastable(c) and c.name != key]
+    if not columns:
+        return winners
+    position = F.struct(cdc_position().alias("p"), F.col("kafka_offset").alias("o"))
+    gaps = winners.where(F.col("cdc_unavailable").isNotNull()).select(key, position.alias("_at"))
+    earlier = (
+        _among(raw.where(F.col("cdc_op").isin("r", "c", "u")), gaps.select(key), key)
+        .join(gaps, key)
+        .where(position < F.col("_at"))
+    )
+    found = earlier.groupBy(key).agg(
+        *[
+            F.max_by(F.struct(F.col(c).alias("v")), F.when(~unavailable(c), position)).alias(
+                f"_f_{c}"
+            )
+            for c in columns
+        ]
+    )
+    filled = winners.join(found, key, "left")
+    missing = {c: unavailable(c) for c in columns}
+    still = F.concat_ws(
+        ",", *[F.when(gap & F.col(f"_f_{c}").isNull(), F.lit(c)) for c, gap in missing.items()]
+    )
+    return filled.select(
+        *[
+            F.when(missing[c.name], F.col(f"_f_{c.name}.v")).otherwise(F.col(c.name)).alias(c.name)
+            if c.name in missing
+            else F.col(c.name)
+            for c in spec.columns
+            if c.name != "cdc_unavailable"
+        ],
+        F.when(still != F.lit(""), still).alias("cdc_unavailable"),
+        *[c for c in raw.columns if c not in {col.name for col in spec.columns}],
     )
 
 

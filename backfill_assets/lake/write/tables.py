@@ -56,8 +56,9 @@ def ensure_tables(
     With ``catalog`` (the same catalog, through pyiceberg), tables that exist in the current
     layout are seen from their metadata alone: no Spark SQL statement, each of which costs a
     fresh run process a few hundred milliseconds."""
+    names = tuple(c.name for c in spec.columns)  # a column added to the spec: added here
     if catalog is not None and all(
-        _current_layout(catalog, name, added) for name, added in ((table, ()), (qtable, _ADDED))
+        _current_layout(catalog, name, added) for name, added in ((table, names), (qtable, _ADDED))
     ):
         return
     spark.sql(
@@ -76,9 +77,28 @@ def ensure_tables(
                 f"records. Drop it (Spark SQL: DROP TABLE {name} PURGE) and backfill again; "
                 "the local demo stack can simply be reset by deleting .stack/"
             )
+    add_columns(spark, table, [(c.name, SPARK_TYPES[c.type]) for c in spec.columns])
 
 
 _ADDED = tuple(name for name, _ in QUARANTINE_ADDED)
+
+
+def add_columns(spark: SparkSession, table: str, columns: list[tuple[str, str]]) -> list[str]:
+    """Add the ``(name, Spark type)`` columns ``table`` lacks (a column added to the spec:
+    NULL in the rows written before; re-run their hours to fill it), in one catalog commit;
+    refuse a column whose type changed. Returns the names added."""
+    have = {f.name: f.dataType.simpleString() for f in spark.table(table).schema.fields}
+    changed = {n: (have[n], t) for n, t in columns if n in have and have[n] != t}
+    if changed:
+        raise ReplayError(
+            f"table {table}: the spec changes the type of column(s) {changed} (table, spec); "
+            "a column's type cannot change in place: give it another name, or drop the table "
+            f"(DROP TABLE {table} PURGE) and backfill again"
+        )
+    missing = [(n, t) for n, t in columns if n not in have]
+    if missing:
+        spark.sql(f"ALTER TABLE {table} ADD COLUMNS ({', '.join(f'{n} {t}' for n, t in missing)})")
+    return [n for n, _ in missing]
 
 
 def _current_layout(catalog: Catalog, spark_name: str, added: tuple[str, ...] = ()) -> bool:
