@@ -181,3 +181,17 @@ def dagster_services(stack_settings: Settings, stack_env: dict[str, str]) -> Ite
         dagster_yaml = REPO_ROOT / "infra" / "production" / "dagster.yaml"
     with services.dagster_services(home, {**os.environ, **stack_env}, dagster_yaml) as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def cdc_source(stack_settings: Settings) -> Iterator[Any]:
+    """The CDC source the ``cdc`` tier's modules share (support/cdc_source.py): Postgres with
+    logical decoding and a Kafka Connect worker, started once, stopped at the end."""
+    from backfill_assets_tests.support import cdc_source as shared
+
+    yield from shared.running(stack_settings)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``stops_shared_services`` run after every other test of the session."""
+    items.sort(key=lambda item: item.get_closest_marker("stops_shared_services") is not None)

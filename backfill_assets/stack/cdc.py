@@ -31,6 +31,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,9 +78,13 @@ class WorkerStatus:
 class ConnectWorker:
     """One Kafka Connect worker in distributed mode against the settings' broker."""
 
-    def __init__(self, settings: Settings, port: int | None = None) -> None:
+    def __init__(
+        self, settings: Settings, port: int | None = None, classpath: Sequence[Path] = ()
+    ) -> None:
         self.settings = settings
         self.port = settings.kafka_connect_port if port is None else port
+        # Jars added to the worker's classpath (tests: a producer interceptor).
+        self.extra_classpath = tuple(classpath)
         self.dir = settings.home / "kafka-connect"
         self.config_path = self.dir / "worker.properties"
         self.pid_path = self.dir / "worker.pid"
@@ -115,7 +120,9 @@ class ConnectWorker:
                 f"BACKFILL_KAFKA_SECURITY_PROTOCOL={protocol}"
             )
         try:
-            classpath = os.pathsep.join(map(str, jars.jars(self.settings, "kafka-connect")))
+            classpath = os.pathsep.join(
+                map(str, [*jars.jars(self.settings, "kafka-connect"), *self.extra_classpath])
+            )
         except JarResolutionError as exc:
             raise CdcError(str(exc)) from exc
         java = process.java(CdcError, "the Kafka Connect worker")
@@ -253,7 +260,7 @@ class ConnectWorker:
         self,
         method: str,
         path: str,
-        body: dict[str, str] | None = None,
+        body: dict[str, Any] | None = None,
         *,
         retry: bool = True,
         timeout_s: float = 30.0,
@@ -392,13 +399,14 @@ class CdcSource:
         postgres_root: Path | None = None,
         postgres_port: int | None = None,
         connect_port: int | None = None,
+        worker_classpath: Sequence[Path] = (),
     ) -> None:
         self.postgres = LocalPostgres(
             postgres_root or settings.home / "postgres",
             settings.cdc_postgres_port if postgres_port is None else postgres_port,
             LOGICAL_DECODING,
         )
-        self.worker = ConnectWorker(settings, connect_port)
+        self.worker = ConnectWorker(settings, connect_port, worker_classpath)
 
     def start(self, timeout_s: float = 120.0) -> tuple[PgServer, WorkerStatus]:
         """Start Postgres, then the worker (each a no-op when ours runs)."""
@@ -424,11 +432,17 @@ class CdcSource:
         return PgSource(server.host, server.port, dbname, role, password)
 
     def connector(
-        self, name: str, source: PgSource, timeout_s: float = 60.0, **options: Any
+        self,
+        name: str,
+        source: PgSource,
+        timeout_s: float = 60.0,
+        overrides: Mapping[str, str] | None = None,
+        **options: Any,
     ) -> dict[str, str]:
         """Register (or reconfigure) Debezium connector ``name`` reading ``source`` with
-        :func:`debezium_postgres`'s ``options``; waits until it runs; its configuration."""
+        :func:`debezium_postgres`'s ``options`` (and ``overrides`` of any of its settings, e.g.
+        ``producer.override.*``); waits until it runs; its configuration."""
         ref = self.worker.secret(f"{name}.password", source.password)
-        config = debezium_postgres(source, ref, **options)
+        config = {**debezium_postgres(source, ref, **options), **(overrides or {})}
         self.worker.put_connector(name, config, timeout_s)
         return config

@@ -4,23 +4,21 @@ Connect from Maven Central against the session's broker, and Debezium's Postgres
 table read by ``SELECT``: snapshot reads, creates, updates, deletes each followed by a
 tombstone, in source-log order, with Kafka's JSON converter with and without schemas.
 
-The services start once for the module (a session fixture): Postgres in a temporary directory
-the ``postgres`` user can enter, the worker under the session's BACKFILL_HOME, both on free
-ports; they are stopped by PID at the end (the last test checks that).
+The services start once for the session (the ``cdc_source`` fixture, shared with the lake's
+CDC tests: support/cdc_source.py): Postgres in a temporary directory the ``postgres`` user can
+enter, the worker under the session's BACKFILL_HOME, both on free ports; they are stopped by
+PID at the end (the last test of the session checks that).
 """
 
 from __future__ import annotations
 
 import json
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,7 +31,7 @@ from backfill_assets.stack.cdc import CdcSource, PgSource
 from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.postgres import PgServer
 from backfill_assets.stack.settings import Settings
-from backfill_assets_tests.support.services import free_port
+from backfill_assets_tests.support.cdc_source import SharedCdc
 
 pytestmark = pytest.mark.cdc
 
@@ -133,39 +131,31 @@ def _changes(server: PgServer, db: PgSource, rows: dict[int, tuple[Any, ...]]) -
 
 
 @pytest.fixture(scope="session")
-def cdc_run(stack_settings: Settings) -> Iterator[Run]:
-    root = Path(tempfile.mkdtemp(prefix="backfill-cdc-pg-"))
-    source = CdcSource(
-        stack_settings, postgres_root=root, postgres_port=free_port(), connect_port=free_port()
-    )
-    try:
-        server, _ = source.start()
-        db = source.database(server, "shop", "cdc")
-        rng = random.Random(1)
-        rows = {1: demo.row(1, rng, notes_bytes=BIG), 2: demo.row(2, rng)}
-        con = server.connect(db.dbname, db.user, db.password)
-        with con.cursor() as cur:
-            cur.execute(demo.DDL)
-            for values in rows.values():
-                cur.execute(demo.INSERT, values)
-        con.close()
-        client = KafkaClient(stack_settings)
-        for name, prefix, schemas in VARIANTS.values():
-            source.connector(
-                name, db, topic_prefix=prefix, tables=["public.accounts"], slot=prefix,
-                schemas=schemas,
-            )  # fmt: skip
-        for _, prefix, _ in VARIANTS.values():  # both snapshots are in Kafka
-            _read(client, f"{prefix}.public.accounts", 2)
-        _changes(server, db, rows)
-        messages = {
-            variant: _read(client, f"{prefix}.public.accounts", EXPECTED)
-            for variant, (_, prefix, _) in VARIANTS.items()
-        }
-        yield Run(source, server, db, rows, _select(server, db), messages, client)
-    finally:
-        source.stop()
-        shutil.rmtree(root, ignore_errors=True)
+def cdc_run(stack_settings: Settings, cdc_source: SharedCdc) -> Iterator[Run]:
+    source, server = cdc_source.source, cdc_source.server
+    db = source.database(server, "shop", "cdc")
+    rng = random.Random(1)
+    rows = {1: demo.row(1, rng, notes_bytes=BIG), 2: demo.row(2, rng)}
+    con = server.connect(db.dbname, db.user, db.password)
+    with con.cursor() as cur:
+        cur.execute(demo.DDL)
+        for values in rows.values():
+            cur.execute(demo.INSERT, values)
+    con.close()
+    client = KafkaClient(stack_settings)
+    for name, prefix, schemas in VARIANTS.values():
+        source.connector(
+            name, db, topic_prefix=prefix, tables=["public.accounts"], slot=prefix,
+            schemas=schemas,
+        )  # fmt: skip
+    for _, prefix, _ in VARIANTS.values():  # both snapshots are in Kafka
+        _read(client, f"{prefix}.public.accounts", 2)
+    _changes(server, db, rows)
+    messages = {
+        variant: _read(client, f"{prefix}.public.accounts", EXPECTED)
+        for variant, (_, prefix, _) in VARIANTS.items()
+    }
+    yield Run(source, server, db, rows, _select(server, db), messages, client)
 
 
 def _ops(run: Run, variant: str) -> list[tuple[str | None, int]]:
@@ -298,7 +288,8 @@ def test_the_worker_keeps_the_password_out_of_the_connector_config(cdc_run: Run)
     worker = cdc_run.source.worker
     status = worker.status()
     assert status.ready
-    assert status.connectors == {"shop-schemas": "RUNNING", "shop-plain": "RUNNING"}
+    mine = {k: v for k, v in status.connectors.items() if k.startswith("shop-")}
+    assert mine == {"shop-schemas": "RUNNING", "shop-plain": "RUNNING"}
     config = worker.request("GET", "/connectors/shop-plain/config")
     assert config["database.password"].startswith("${file:")
     assert cdc_run.db.password not in json.dumps(config)
@@ -318,7 +309,10 @@ def test_postgres_decodes_logically_on_loopback_only(cdc_run: Run) -> None:
     finally:
         con.close()
     assert settings == {"wal_level": "logical", "listen_addresses": "127.0.0.1"}
-    assert slots == [("shop_p", "pgoutput"), ("shop_s", "pgoutput")]
+    assert [s for s in slots if s[0].startswith("shop_")] == [
+        ("shop_p", "pgoutput"),
+        ("shop_s", "pgoutput"),
+    ]
 
 
 def test_the_demo_table_is_captured(cdc_run: Run) -> None:
@@ -332,8 +326,9 @@ def test_the_demo_table_is_captured(cdc_run: Run) -> None:
     assert {m.value["payload"]["op"] for m in messages} == {"r"}
 
 
+@pytest.mark.stops_shared_services
 def test_stop_ends_only_the_processes_it_started(cdc_run: Run) -> None:
-    """Last in the module: the worker and the postmaster are stopped by their PIDs."""
+    """Last in the session: the worker and the postmaster are stopped by their PIDs."""
     worker_pid = cdc_run.source.worker.running_pid()
     postgres_pid = cdc_run.source.postgres.running_pid()
     assert worker_pid is not None and postgres_pid == cdc_run.server.pid
