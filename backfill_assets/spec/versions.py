@@ -58,11 +58,17 @@ def strict_reader_sources() -> list[tuple[str, str]]:
     ]
 
 
+# Spec fields added later, left out of the hash while unset, so a topic that does not use them
+# keeps the version it had.
+_LATER_FIELDS = ("envelope", "schemas")
+
+
 def raw_version(spec: TopicSpec) -> str:
+    unset = {name for name in _LATER_FIELDS if getattr(spec, name) is None}
     return digest(
         "raw",
         [
-            _entry(spec, {"current", "tables"}),
+            _entry(spec, {"current", "tables", *unset}),
             upcaster_sources(spec),
             strict_reader_sources(),
         ],
