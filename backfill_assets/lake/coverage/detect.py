@@ -637,12 +637,34 @@ def _current_gaps(
 
 
 def late_readers(spec: TopicSpec, specs: list[TopicSpec] | None = None) -> list[TableSpec]:
-    """The declared tables that read ``spec``'s events, wherever they are declared (``specs``:
-    every topic; default ``spec`` alone)."""
+    """The declared tables that read ``spec``'s events or its current state, wherever they are
+    declared (``specs``: every topic; default ``spec`` alone)."""
     every = list(specs) if specs is not None else [spec]
     if spec not in every:
         every.append(spec)
-    return [t for s in every for t in s.tables if spec.name in t.refs]
+    mine = {spec.name, spec.current_table}
+    return [t for s in every for t in s.tables if mine & set(t.refs)]
+
+
+class _Touched:
+    """The event-time hours each raw publish (Kafka hour) touched, from the ledger; a publish
+    whose ledger rows do not say (appended before the ledger kept event hours, or recovered from
+    main's history by sync_from_history) has its own rows read, once, and only those."""
+
+    def __init__(self, catalog: Catalog, namespace: str, spec: TopicSpec) -> None:
+        self.catalog, self.namespace, self.spec = catalog, namespace, spec
+        self.rows: dict[datetime, dict[datetime, int]] = {}
+
+    def prefetch(self, entries: Iterable[tuple[datetime, ledger.Entry]]) -> None:
+        unknown = {k: e for k, e in entries if e.event_hours is None and k not in self.rows}
+        if unknown:
+            self.rows.update(
+                _event_hours_from_rows(self.catalog, self.namespace, self.spec, unknown)
+            )
+
+    def of(self, kafka_hour: datetime, entry: ledger.Entry) -> set[datetime]:
+        touched = entry.touched_hours
+        return set(self.rows[kafka_hour]) if touched is None else touched
 
 
 def late_event_hours(
@@ -653,19 +675,25 @@ def late_event_hours(
     specs: list[TopicSpec] | None = None,
     now: datetime | None = None,
 ) -> dict[str, dict[datetime, str]]:
-    """Per declared table that reads the topic's events (:func:`late_readers`: declared under
-    any topic of ``specs``): event-time hours that a raw publish
-    changed after the table's hour was published, from Kafka hours outside what the hour reads
-    by its partition mapping (so the gap sensor's staleness rule misses them).
+    """Per declared table that reads the topic's events or current state (:func:`late_readers`:
+    declared under any topic of ``specs``): event-time hours that a raw or current-state
+    publish changed after the table's hour was published, from Kafka hours outside what the
+    hour reads by its partition mapping (so the gap sensor's staleness rule misses them).
 
-    The raw publish of Kafka hour K touches event hour E when K's rows are of E, or when they
-    are other versions of events of E (a correction that moves an event touches the hour of the
-    version it supersedes as well as its own). Table hour H is due when its publish did not read
-    that raw publish (lineage: the raw sequence number it read), H is E or looks back on E
-    (E <= H <= E + lookback), and K is outside H - lookback .. H + lateness. What each Kafka
-    hour touches comes from the ledger (``Entry.event_hours``, ``Entry.superseded_hours``, the
-    replay's own figures), so a tick reads ledger rows, never table rows, and costs the same
-    whatever the tables hold."""
+    Events: the raw publish of Kafka hour K touches event hour E when K's rows are of E, or
+    when they are other versions of events of E (a correction that moves an event touches the
+    hour of the version it supersedes as well as its own). Table hour H is due when its
+    publish did not read that raw publish (lineage: the raw sequence number it read), H is E or
+    looks back on E (E <= H <= E + lookback), and K is outside H - lookback .. H + lateness.
+
+    Current state: a reader's hour H reads the whole current state, so a current-state publish
+    of Kafka hour K it did not read makes H due when K is outside its mapping and the state
+    changed at or before H: the earliest event hour K's raw publish touched is at most H
+    (:func:`_late_on_current`).
+
+    What each Kafka hour touches comes from the ledger (``Entry.event_hours``,
+    ``Entry.superseded_hours``, the replay's own figures), so a tick reads ledger rows, never
+    table rows, and costs the same whatever the tables hold."""
     readers = late_readers(spec, specs)
     out: dict[str, dict[datetime, str]] = {}
     if not readers:
@@ -678,42 +706,96 @@ def late_event_hours(
     by_commit = sorted(
         raw_entries.items(), key=lambda kv: (kv[1].sequence_number, kv[1].recorded_at, kv[0])
     )
-    from_rows: dict[datetime, dict[datetime, int]] = {}  # Kafka hours without ledger figures
+    touched = _Touched(catalog, namespace, spec)
+    current: dict[datetime, Publish] | None = None
     for table in readers:
         mine = covered_hours(published(catalog, f"{namespace}.{table.name}"))
         if not mine:
             continue
-        # Only raw publishes some published hour of the table did not read can make it due.
-        runs = {p.run_id: p for p in mine.values()}.values()
-        recent = [
-            (k, e) for k, e in by_commit if any(not p.read(_publish(e), raw_name) for p in runs)
-        ]
-        # A publish whose ledger rows do not say (appended before the ledger kept event hours,
-        # or recovered from main's history by sync_from_history) has its own rows read, and
-        # only those, so nothing is missed; every publish since records them.
-        unknown = {k: e for k, e in recent if e.event_hours is None and k not in from_rows}
-        if unknown:
-            from_rows.update(_event_hours_from_rows(catalog, namespace, spec, unknown))
-        lateness = timedelta(hours=table.lateness_hours)
-        lookback = timedelta(hours=table.lookback_hours)
         due: dict[datetime, str] = {}
-        for kafka_hour, entry in recent:
-            touched = entry.touched_hours
-            if touched is None:
-                touched = set(from_rows[kafka_hour])
-            for event_hour in sorted(touched):
-                hour = event_hour
-                while hour <= event_hour + lookback:
-                    pub = mine.get(hour)
-                    # Never published: the gap sensor handles it; inside the mapping: its
-                    # staleness rule does.
-                    inside = hour - lookback <= kafka_hour <= hour + lateness
-                    if pub is not None and not inside and not pub.read(_publish(entry), raw_name):
-                        due[hour] = _late_reason(entry, event_hour, hour)
-                    hour += HOUR
+        if spec.name in table.refs:
+            due.update(_late_on_events(table, mine, by_commit, raw_name, touched))
+        if spec.current_table in table.refs:
+            if current is None:
+                current = covered_hours(published(catalog, f"{namespace}.{spec.current_table}"))
+            cur_name = f"{catalog.name}.{namespace}.{spec.current_table}"
+            for hour, why in _late_on_current(
+                table, mine, (current, cur_name), raw_entries, touched
+            ).items():
+                due.setdefault(hour, why)
         if due:
-            out[table.name] = due
+            out[table.name] = dict(sorted(due.items()))
     return out
+
+
+def _late_on_events(
+    table: TableSpec,
+    mine: dict[datetime, Publish],
+    by_commit: list[tuple[datetime, ledger.Entry]],
+    raw_name: str,
+    touched: _Touched,
+) -> dict[datetime, str]:
+    """The hours of ``table`` that raw publishes of its events made due beyond its mapping."""
+    # Only raw publishes some published hour of the table did not read can make it due.
+    runs = {p.run_id: p for p in mine.values()}.values()
+    recent = [(k, e) for k, e in by_commit if any(not p.read(_publish(e), raw_name) for p in runs)]
+    touched.prefetch(recent)
+    lateness = timedelta(hours=table.lateness_hours)
+    lookback = timedelta(hours=table.lookback_hours)
+    due: dict[datetime, str] = {}
+    for kafka_hour, entry in recent:
+        for event_hour in sorted(touched.of(kafka_hour, entry)):
+            hour = event_hour
+            while hour <= event_hour + lookback:
+                pub = mine.get(hour)
+                # Never published: the gap sensor handles it; inside the mapping: its
+                # staleness rule does.
+                inside = hour - lookback <= kafka_hour <= hour + lateness
+                if pub is not None and not inside and not pub.read(_publish(entry), raw_name):
+                    due[hour] = _late_reason(entry, event_hour, hour)
+                hour += HOUR
+    return due
+
+
+def _late_on_current(
+    table: TableSpec,
+    mine: dict[datetime, Publish],
+    current: tuple[dict[datetime, Publish], str],
+    raw_entries: dict[datetime, ledger.Entry],
+    touched: _Touched,
+) -> dict[datetime, str]:
+    """The hours of ``table`` that current-state publishes made due beyond its mapping.
+
+    Hour H reads the current state as a whole, at least as of Kafka hour H + lateness. A
+    current-state publish of Kafka hour K that H's publish did not read (by lineage) changed
+    what H should hold when K is outside H - lookback .. H + lateness (inside, the gap
+    sensor's staleness rule sees it) and the state it brought is of an event hour at or before
+    H: late records or a correction (K > H + lateness, earliest touched event hour <= H), or a
+    republish of an older hour (K < H - lookback), whose state later hours carry forward."""
+    publishes, cur_name = current
+    lateness = timedelta(hours=table.lateness_hours)
+    lookback = timedelta(hours=table.lookback_hours)
+    runs = {p.run_id: p for p in mine.values()}.values()
+    unread = sorted(
+        (p.sequence_number, k, p)
+        for k, p in publishes.items()
+        if any(not r.read(p, cur_name) for r in runs)
+    )
+    touched.prefetch((k, raw_entries[k]) for _, k, _ in unread if k in raw_entries)
+    due: dict[datetime, str] = {}
+    for _, kafka_hour, cur in unread:
+        entry = raw_entries.get(kafka_hour)
+        hours = touched.of(kafka_hour, entry) if entry is not None else set()
+        first = min(hours | {kafka_hour})
+        for hour, pub in mine.items():
+            inside = hour - lookback <= kafka_hour <= hour + lateness
+            if hour >= first and not inside and not pub.read(cur, cur_name):
+                due[hour] = (
+                    f"the current state changed at Kafka hour {kafka_hour:%Y-%m-%d %H:00}"
+                    f" (event hour {first:%Y-%m-%d %H:00}) by run {cur.run_id}, after this"
+                    " hour read it"
+                )
+    return due
 
 
 def _late_reason(entry: ledger.Entry, event_hour: datetime, hour: datetime) -> str:
