@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
+import pytest
 
 from backfill_assets.defs.assets import build_raw_asset
 from backfill_assets.defs.definitions import SPECS
@@ -144,3 +145,37 @@ def test_a_quarantine_left_unpublished_is_published_by_the_next_run(
     assert _offsets(spark_session, quarantine) == {small_topic.EVENTS}
     refs = {r[0] for r in spark_session.sql(f"SELECT name FROM {quarantine}.refs").collect()}
     assert refs == {"main"}
+
+
+@pytest.mark.slow
+def test_a_quarantine_another_run_finished_first_is_not_reported_missing(
+    stack_settings: Settings, spark_session: SparkSession, monkeypatch: Any
+) -> None:
+    """Another run of the topic starts between this run's raw publish and its quarantine
+    publish, and its ``finish_quarantine`` publishes this run's quarantine first. This run's
+    own publish of it then fails (its branch is gone): it must see that its quarantine is on
+    main, not warn that it is "not published yet"."""
+    from backfill_assets.lake.write import replay
+
+    topic = f"orders_{uuid.uuid4().hex[:8]}"
+    small_topic.produce(stack_settings, topic)
+    spec = renamed(SPECS[0], topic=topic, partition_start=small_topic.START)
+    quarantine = CatalogClient().spark_name(spec.quarantine_table)
+    real = replay.publish_quarantine
+    finished: list[list[str]] = []
+
+    def raced(spark: Any, qbranch: Any, window: Any, summary: dict[str, str]) -> int:
+        if not finished:  # the other run's finish comes first (and calls this again)
+            finished.append([])
+            finished[0] = replay.finish_quarantine(spark, CatalogClient(), spec)
+        return real(spark, qbranch, window, summary)
+
+    with dg.instance_for_test() as instance:
+        monkeypatch.setattr(replay, "publish_quarantine", raced)
+        run = _run(spec, instance)
+        assert run.success
+        assert finished == [[run.run_id]]  # the other run did publish it
+        messages = [e.message for e in instance.all_logs(run.run_id) if e.message]
+    assert not [m for m in messages if "not published yet" in m], messages
+    spark_session.sql(f"REFRESH TABLE {quarantine}")
+    assert _offsets(spark_session, quarantine) == {small_topic.EVENTS}

@@ -39,6 +39,7 @@ from backfill_assets.lake.write.tables import ensure_tables
 from backfill_assets.lake.write.wap import (
     SUMMARY_PREFIX,
     Branch,
+    committed_by,
     open_branch,
     pending_quarantine,
     ref_snapshot_id,
@@ -258,6 +259,16 @@ def _published_quarantine(spark: SparkSession, qbranch: Branch) -> int:
     published = ref_snapshot_id(spark, qbranch.table, "main")
     assert published is not None
     return published
+
+
+def quarantine_finished(spark: SparkSession, qbranch: Branch, run_id: str) -> bool:
+    """Whether run ``run_id``'s quarantine reached main although its own publish of it failed:
+    its branch is gone and a commit of main since the branch was made is the run's. Another
+    run of the topic, starting between this run's two commits, finished it
+    (:func:`finish_quarantine`)."""
+    if ref_snapshot_id(spark, qbranch.table, qbranch.name) is not None:
+        return False
+    return committed_by(qbranch.table, "main", qbranch.main_before, run_id)
 
 
 def finish_quarantine(spark: SparkSession, iceberg: CatalogClient, spec: TopicSpec) -> list[str]:

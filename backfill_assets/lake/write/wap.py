@@ -295,6 +295,23 @@ def ref_snapshot(spark: SparkSession, table: str, ref: str) -> tuple[int, int] |
     return int(found.snapshot_id), int(snap.sequence_number or 0)
 
 
+def committed_by(table: str, ref: str, since: int | None, run_id: str) -> bool:
+    """Whether a snapshot of ``ref``'s ancestry after snapshot ``since`` (None: all of it)
+    records ``run_id`` in its summary (pyiceberg: the catalog's current metadata)."""
+    meta = _iceberg_table(table).metadata
+    found = meta.refs.get(ref)
+    snap_id = None if found is None else found.snapshot_id
+    key = f"{SUMMARY_PREFIX}run-id"
+    while snap_id is not None and snap_id != since:
+        snap = meta.snapshot_by_id(snap_id)
+        if snap is None:  # expired: nothing older is known
+            return False
+        if snap.summary is not None and snap.summary.get(key) == run_id:
+            return True
+        snap_id = snap.parent_snapshot_id
+    return False
+
+
 def main_summary(spark: SparkSession, table: str) -> dict[str, str]:
     """The snapshot summary of main's current snapshot (empty if the table has none)."""
     snap = ref_snapshot_id(spark, table, "main")
