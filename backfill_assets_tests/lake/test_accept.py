@@ -164,3 +164,50 @@ def test_an_accepted_record_no_longer_fails_its_hour_and_only_it(
     table = f"lake.{ns}.{spec.raw_table}"
     rows = spark_session.table(table).where(f"kafka_offset IN ({o1}, {o2})")  # type: ignore[attr-defined]
     assert rows.count() == 2
+
+
+@pytest.mark.slow  # one run, about 20 s
+def test_a_failed_sampled_hour_names_records_of_its_sample(
+    stack_settings: Settings,
+    spark_session: object,
+    instance: dg.DagsterInstance,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An hour above the whole-decode threshold is compared on its 1-in-K sample; when it
+    fails, the records it names are read from that sample (so an hour K times larger than
+    the naming budget is still named), and each named record is one the check compared."""
+    from backfill_assets.lake.decode.content import in_sample
+    from backfill_assets.lake.write import record_diff
+
+    topic = f"accept_{uuid.uuid4().hex[:8]}"
+    spec = renamed(
+        SPECS[0],
+        topic=topic,
+        partition_start=START,
+        tables=(),
+        decoders={1: f"{__name__}:decode_v1", 2: f"{__name__}:decode_v2"},
+    )
+    truth = generate(
+        stack_settings,
+        GeneratorConfig(topic=topic, start=START, hours=2, partitions=1, events_per_hour=80),
+    )
+    monkeypatch.setenv("BACKFILL_CONTENT_SAMPLE", "4")
+    monkeypatch.setenv("BACKFILL_CONTENT_SAMPLE_ABOVE", "10")
+    monkeypatch.setattr(record_diff, "RECORDS_PER_HOUR", 30)  # the hour holds 80 or more
+    start, end = truth.hour_offsets[0][HOUR.isoformat()]
+    assert end - start > 30
+    DISAGREE.clear()
+    DISAGREE.update(event_id for _, event_id in _events(stack_settings, topic, start, end))
+    try:
+        run = materialize_range([build_raw_asset(spec)], instance, HOUR, raise_on_error=False)
+    finally:
+        DISAGREE.clear()
+    assert not run.success
+    check = _decoded_content(run)
+    assert check.metadata["hours_that_differ"].value == [HOUR.isoformat()]
+    residue = int(check.metadata["sample_residue"].value)
+    named = check.metadata["differing_records"].value
+    assert named, check.description
+    for record in named:
+        assert record["partition"] == 0 and start <= record["offset"] < end
+        assert in_sample(0, record["offset"], 4, residue=residue), record

@@ -13,7 +13,7 @@ from dataclasses import replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets.lake.decode.content import QUARANTINED, ROW, RecordDecoder
+from backfill_assets.lake.decode.content import QUARANTINED, ROW, RecordDecoder, Sample
 from backfill_assets.lake.offsets.contract import hours_filter
 from backfill_assets.lake.write.read import read_contract
 from backfill_assets.lake.write.replay import ReplayOutcome
@@ -23,7 +23,8 @@ from backfill_assets.stack.settings import Settings
 if TYPE_CHECKING:
     from pyspark.sql import Column, SparkSession
 
-# At most this many hours, of at most this many records each, are read again.
+# At most this many hours are read again, and of each at most this many records decoded: an
+# hour the check compared whole, or the 1-in-K sample it compared of a larger hour.
 HOURS, RECORDS_PER_HOUR = 3, 50_000
 
 
@@ -51,13 +52,16 @@ def differing_records(
     for hour in hours[:HOURS]:
         start = datetime.fromisoformat(hour)
         ranges = windows.hour_offsets(start)
-        if sum(e - s for s, e in ranges.values()) > RECORDS_PER_HOUR:
+        k = _sample_k(windows.content_sample, start)
+        if sum(e - s for s, e in ranges.values()) > RECORDS_PER_HOUR * k:
             continue
         hour_contract = replace(outcome.contract, start=start, end=start, ranges=ranges)
         records = read_contract(spark, settings, hour_contract).select(
             "partition", "offset", "key", "value"
         )
-        table = _table_side(spark, spec, outcome, start)
+        residue = windows.content_sample.residue
+        records = records.where(_sampled("partition", "offset", k, residue))
+        table = _table_side(spark, spec, outcome, start, (k, residue))
         for r in records.collect():
             p, o = int(r["partition"]), int(r["offset"])
             if (p, o) in accepted:
@@ -71,13 +75,34 @@ def differing_records(
     return found
 
 
+def _sample_k(sample: Sample, hour: datetime) -> int:
+    """The 1-in-K the check compared of ``hour`` (1: the whole hour)."""
+    return sample.k if int(hour.timestamp() * 1000) in sample.hours else 1
+
+
+def _sampled(partition: str, offset: str, k: int, residue: int) -> Column:
+    """The records of a 1-in-``k`` sample (content.in_sample) by their position columns."""
+    from pyspark.sql import functions as F
+
+    if k == 1:
+        return F.lit(True)
+    position = F.xxhash64(F.col(partition).cast("int"), F.col(offset).cast("bigint"))
+    return F.pmod(position, F.lit(k)) == residue
+
+
 def _table_side(
-    spark: SparkSession, spec: TopicSpec, outcome: ReplayOutcome, hour: datetime
+    spark: SparkSession,
+    spec: TopicSpec,
+    outcome: ReplayOutcome,
+    hour: datetime,
+    sample: tuple[int, int],
 ) -> dict[tuple[int, int], tuple[str, Any]]:
-    """(partition, offset) -> (ROW, content hash) or (QUARANTINED, reason) on the branch."""
+    """(partition, offset) -> (ROW, content hash) or (QUARANTINED, reason) on the branch, for
+    the records of the 1-in-K ``sample`` (K, residue) of the hour."""
     from datetime import timedelta
 
     window = hours_filter(hour, hour + timedelta(hours=1))
+    window = window & _sampled("kafka_partition", "kafka_offset", *sample)
     rows = spark.table(outcome.branch.ident).where(window)
     out: dict[tuple[int, int], tuple[str, Any]] = {}
     for r in rows.select("kafka_partition", "kafka_offset", content_hash(spec)).collect():
