@@ -77,10 +77,15 @@ ADMIN_USER = "kafka-admin"
 NODE_PRINCIPAL = "kafka-node"
 
 
-class LocalBroker:
+class LocalBroker(process.Server[BrokerStatus]):
     """A KRaft node (broker and controller in one JVM). Alone (no ``node``) it is the
     single-node broker whose state lives in ``settings.kafka_data_dir``; as ``node`` of
     ``voters`` it is one node of a :class:`LocalKafkaCluster`."""
+
+    error = BrokerError
+    name = "the Kafka broker"
+    start_timeout_s = 90.0
+    poll_s = 0.5
 
     def __init__(
         self, settings: Settings, node: Node | None = None, voters: tuple[Node, ...] = ()
@@ -103,23 +108,10 @@ class LocalBroker:
         return f"127.0.0.1:{self.node.port}"
 
     # ----------------------------------------------------------------- lifecycle
-    def start(self, timeout_s: float = 90.0) -> BrokerStatus:
-        """Format storage if needed, start the broker, and wait until it answers metadata."""
-        proc = self.launch()
-        if proc is None:  # ours already runs: wait for it, never stop it here
-            self.wait_ready(timeout_s)
-            return self.status()
-        try:
-            self.wait_ready(timeout_s, proc=proc)
-        except BrokerError:
-            self.stop()
-            raise
-        return self.status()
-
     def launch(self, cluster_id: str | None = None) -> subprocess.Popen[bytes] | None:
         """Format storage if needed (with ``cluster_id``, default a new one) and start the
         JVM without waiting for it; None if our node already runs."""
-        if self._running_pid() is not None:
+        if self.running_pid() is not None:
             return None
         java = process.java(BrokerError, "the local Kafka broker")
         classpath = self._classpath()
@@ -143,13 +135,9 @@ class LocalBroker:
         ]
         return process.launch(cmd, self.log_path, self.pid_path, env=env)
 
-    def stop(self, timeout_s: float = 30.0) -> bool:
-        """Stop the broker this module started (SIGTERM, then SIGKILL). True if one was running."""
-        return process.stop(self._running_pid(), self.pid_path, timeout_s)
-
     def kill(self) -> int | None:
         """SIGKILL our node at once (a crash, for fault tests); its PID, or None."""
-        pid = self._running_pid()
+        pid = self.running_pid()
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
             while process.alive(pid):
@@ -158,7 +146,7 @@ class LocalBroker:
         return pid
 
     def status(self) -> BrokerStatus:
-        pid = self._running_pid()
+        pid = self.running_pid()
         cluster_id = None
         responding = False
         if pid is not None:
@@ -177,23 +165,17 @@ class LocalBroker:
             data_dir=str(self.dir),
         )
 
-    def wait_ready(self, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise BrokerError(
-                    f"Kafka broker exited with code {proc.returncode} during start-up. "
-                    f"Last lines of {self.log_path}:\n{self._log_tail()}"
-                )
-            try:
-                self._cluster_id(timeout_s=2)
-                return
-            except BrokerError:
-                time.sleep(0.5)
-        raise BrokerError(
-            f"Kafka broker at {self.bootstrap} did not answer metadata requests within "
-            f"{timeout_s:.0f}s. Last lines of {self.log_path}:\n{self._log_tail()}"
-        )
+    @property
+    def where(self) -> str:
+        return self.bootstrap
+
+    def answers(self) -> bool:
+        """Whether it answers a metadata request."""
+        try:
+            self._cluster_id(timeout_s=2)
+        except BrokerError:
+            return False
+        return True
 
     # ----------------------------------------------------------------- queries
     def version(self) -> str:
@@ -449,14 +431,11 @@ class LocalBroker:
         except FileNotFoundError:
             return None
 
-    def _running_pid(self) -> int | None:
+    def running_pid(self) -> int | None:
         """The PID from our PID file if that process is alive and is our broker."""
         return process.recorded_pid(
             self.pid_path, _MAIN_CLASS.encode(), str(self.config_path).encode()
         )
-
-    def _log_tail(self, lines: int = 15) -> str:
-        return process.log_tail(self.log_path, lines)
 
 
 _UNSUPPORTED = (
@@ -516,7 +495,7 @@ class LocalKafkaCluster:
 
     def stop(self, timeout_s: float = 20.0) -> int:
         """Stop every node of ours (SIGTERM together, SIGKILL after ``timeout_s``); how many."""
-        pids = [p for p in (b._running_pid() for b in self.nodes) if p is not None]
+        pids = [p for p in (b.running_pid() for b in self.nodes) if p is not None]
         process.terminate(pids, timeout_s)
         for broker in self.nodes:
             broker.pid_path.unlink(missing_ok=True)

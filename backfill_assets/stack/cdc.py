@@ -75,8 +75,12 @@ class WorkerStatus:
         return f"kafka connect {state} url={self.url}{pid}" + (f" {found}" if found else "")
 
 
-class ConnectWorker:
+class ConnectWorker(process.Server[WorkerStatus]):
     """One Kafka Connect worker in distributed mode against the settings' broker."""
+
+    error = CdcError
+    name = "the Kafka Connect worker"
+    start_timeout_s = 120.0
 
     def __init__(
         self, settings: Settings, port: int | None = None, classpath: Sequence[Path] = ()
@@ -97,18 +101,6 @@ class ConnectWorker:
         return f"http://127.0.0.1:{self.port}"
 
     # ----------------------------------------------------------------- lifecycle
-    def start(self, timeout_s: float = 120.0) -> WorkerStatus:
-        """Start the worker and wait until its REST API serves its connectors and it knows
-        Debezium's Postgres connector; a no-op (after that wait) when ours already runs."""
-        proc = self.launch()
-        try:
-            self.wait_ready(timeout_s, proc)
-        except CdcError:
-            if proc is not None:
-                self.stop()
-            raise
-        return self.status()
-
     def launch(self) -> subprocess.Popen[bytes] | None:
         """Start the JVM without waiting; None if ours already runs."""
         if self.running_pid() is not None:
@@ -143,22 +135,15 @@ class ConnectWorker:
         ]
         return process.launch(cmd, self.log_path, self.pid_path, cwd=self.dir)
 
-    def wait_ready(self, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise CdcError(
-                    f"the Kafka Connect worker exited with code {proc.returncode} during "
-                    f"start-up. Last lines of {self.log_path}:\n{self._log_tail()}"
-                )
-            if self.ready():
-                break
-            time.sleep(0.25)
-        else:
-            raise CdcError(
-                f"the Kafka Connect worker at {self.url} was not ready within {timeout_s:.0f}s. "
-                f"Last lines of {self.log_path}:\n{self._log_tail()}"
-            )
+    @property
+    def where(self) -> str:
+        return self.url
+
+    def answers(self) -> bool:
+        return self.ready()
+
+    def on_ready(self) -> None:
+        """It must know Debezium's Postgres connector."""
         plugins = {p.get("class") for p in self.request("GET", "/connector-plugins")}
         if POSTGRES_CONNECTOR not in plugins:
             raise CdcError(
@@ -173,10 +158,6 @@ class ConnectWorker:
                 return bool(resp.status == 200)
         except (OSError, ValueError):
             return False
-
-    def stop(self, timeout_s: float = 30.0) -> bool:
-        """Stop the worker this module started (SIGTERM, then SIGKILL). True if one ran."""
-        return process.stop(self.running_pid(), self.pid_path, timeout_s)
 
     def status(self) -> WorkerStatus:
         pid = self.running_pid()
@@ -253,7 +234,7 @@ class ConnectWorker:
         raise CdcError(
             f"connector {name!r} on {self.url} was not running within {timeout_s:.0f}s "
             f"(status: {_state(state) if state else 'unknown'}). Last lines of "
-            f"{self.log_path}:\n{self._log_tail()}"
+            f"{self.log_path}:\n{process.log_tail(self.log_path)}"
         )
 
     def request(
@@ -316,9 +297,6 @@ class ConnectWorker:
         self.config_path.write_text(
             "".join(f"{k}={process.properties_escape(v)}\n" for k, v in lines.items())
         )
-
-    def _log_tail(self, lines: int = 15) -> str:
-        return process.log_tail(self.log_path, lines)
 
 
 def _state(status: dict[str, Any]) -> str:

@@ -18,7 +18,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,8 +91,13 @@ class ConnectStatus:
         return " ".join(parts)
 
 
-class LocalConnectServer:
+class LocalConnectServer(process.Server[ConnectStatus]):
     """A Spark Connect server on 127.0.0.1 whose state lives in ``<home>/connect``."""
+
+    error = ConnectError
+    name = "the Spark Connect server"
+    start_timeout_s = 180.0
+    poll_s = 0.5
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -166,29 +170,18 @@ class LocalConnectServer:
             out.write(text)
 
     # ----------------------------------------------------------------- lifecycle
-    def start(self, timeout_s: float = 180.0) -> ConnectStatus:
-        """Start the server (a no-op when ours runs) and wait until a client session works."""
-        if self._running_pid() is not None:
-            self.wait_ready(timeout_s)
-            return self.status()
+    def launch(self) -> subprocess.Popen[bytes] | None:
+        """Start the server without waiting; None if ours already runs."""
+        if self.running_pid() is not None:
+            return None
         process.require_free_port(self.port, ConnectError, "BACKFILL_SPARK_CONNECT_PORT")
         self._write_properties()
-        proc = process.launch(
+        return process.launch(
             self.argv(), self.out_path, self.pid_path, cwd=self.dir, env=self.env()
         )
-        try:
-            self.wait_ready(timeout_s, proc=proc)
-        except ConnectError:
-            self.stop()
-            raise
-        return self.status()
-
-    def stop(self, timeout_s: float = 30.0) -> bool:
-        """Stop the server this module started (SIGTERM, then SIGKILL). True if one ran."""
-        return process.stop(self._running_pid(), self.pid_path, timeout_s)
 
     def status(self, timeout_s: float = 10.0) -> ConnectStatus:
-        pid = self._running_pid()
+        pid = self.running_pid()
         version = spark.probe(self.url, timeout_s) if pid is not None else None
         return ConnectStatus(
             pid=pid,
@@ -199,23 +192,14 @@ class LocalConnectServer:
             log=str(self.log_path),
         )
 
-    def wait_ready(self, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise ConnectError(
-                    f"the Spark Connect server exited with code {proc.returncode} during "
-                    f"start-up. Last lines of its output:\n{self.log_tail()}"
-                )
-            if (
-                spark.port_open("127.0.0.1", self.port, 1.0)
-                and spark.probe(self.url, 10.0) is not None
-            ):
-                return
-            time.sleep(0.5)
-        raise ConnectError(
-            f"the Spark Connect server at {self.url} did not answer within {timeout_s:.0f}s. "
-            f"Last lines of its output:\n{self.log_tail()}"
+    @property
+    def where(self) -> str:
+        return self.url
+
+    def answers(self) -> bool:
+        """Whether a client session works."""
+        return (
+            spark.port_open("127.0.0.1", self.port, 1.0) and spark.probe(self.url, 10.0) is not None
         )
 
     def log_tail(self, lines: int = 15) -> str:
@@ -228,7 +212,7 @@ class LocalConnectServer:
             found.append(f"[{path}]\n" + "\n".join(text[-lines:]))
         return "\n".join(found) or "(no output written)"
 
-    def _running_pid(self) -> int | None:
+    def running_pid(self) -> int | None:
         """The PID from our PID file if that process is alive and is our server."""
         return process.recorded_pid(
             self.pid_path, MAIN_CLASS.encode(), str(self.conf_path).encode()

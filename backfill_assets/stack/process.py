@@ -1,6 +1,7 @@
 """The processes ``stack`` starts (the broker, the schema registry, the Spark Connect server,
 the Kafka Connect worker): finding Java, a free port, launching one, whether a PID is one of ours
-and alive, stopping it, its log's tail.
+and alive, stopping it, its log's tail; and :class:`Server`, the start/wait/stop every one of
+them shares.
 
 Every helper acts only on processes this package started and recorded in its own PID files.
 """
@@ -15,6 +16,7 @@ import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from backfill_assets.errors import StackError
 
@@ -137,3 +139,80 @@ def log_tail(path: Path, lines: int = 15) -> str:
     except OSError:
         return "(no log written)"
     return "\n".join(text[-lines:])
+
+
+StatusT = TypeVar("StatusT")
+
+
+class Server(Generic[StatusT]):
+    """What every server ``stack`` starts shares. :meth:`start` launches it (nothing when ours
+    already runs) and waits until it answers; a server it launched that dies or does not
+    answer in time is stopped again, so a failed start leaves nothing running. Subclasses say
+    how to launch, whether it answers, which PID is ours, and what their status is."""
+
+    error: type[StackError] = StackError
+    name = "the server"  # in messages: "the schema registry"
+    start_timeout_s = 90.0
+    poll_s = 0.25
+    pid_path: Path
+    log_path: Path
+
+    @property
+    def where(self) -> str:
+        """Its address, in messages."""
+        raise NotImplementedError
+
+    def launch(self) -> subprocess.Popen[bytes] | None:
+        """Start the JVM without waiting; None if ours already runs."""
+        raise NotImplementedError
+
+    def answers(self) -> bool:
+        """Whether it serves requests now."""
+        raise NotImplementedError
+
+    def running_pid(self) -> int | None:
+        """The PID from our PID file if that process is alive and is this server."""
+        raise NotImplementedError
+
+    def status(self) -> StatusT:
+        raise NotImplementedError
+
+    def on_ready(self) -> None:
+        """Checks once it answers (raise :attr:`error`); none by default."""
+
+    def log_tail(self, lines: int = 15) -> str:
+        return f"[{self.log_path}]\n" + log_tail(self.log_path, lines)
+
+    def start(self, timeout_s: float | None = None) -> StatusT:
+        """Launch (a no-op when ours runs) and wait until it answers; a server launched here
+        that fails to is stopped before the error is raised."""
+        proc = self.launch()
+        try:
+            self.wait_ready(self.start_timeout_s if timeout_s is None else timeout_s, proc)
+        except self.error:
+            if proc is not None:
+                self.stop()
+            raise
+        return self.status()
+
+    def wait_ready(self, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+        """Wait until it answers (then :meth:`on_ready`); fail if ``proc`` exits first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise self.error(
+                    f"{self.name} exited with code {proc.returncode} during start-up. "
+                    f"Last lines of its output:\n{self.log_tail()}"
+                )
+            if self.answers():
+                self.on_ready()
+                return
+            time.sleep(self.poll_s)
+        raise self.error(
+            f"{self.name} at {self.where} did not answer within {timeout_s:.0f}s. "
+            f"Last lines of its output:\n{self.log_tail()}"
+        )
+
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """Stop the server this package started (SIGTERM, then SIGKILL). True if one ran."""
+        return stop(self.running_pid(), self.pid_path, timeout_s)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -46,8 +45,12 @@ class RegistryStatus:
         return f"schema registry {state} url={self.url}{pid}"
 
 
-class LocalRegistry:
+class LocalRegistry(process.Server[RegistryStatus]):
     """One local Apicurio Registry on ``port`` (default: the settings' registry port)."""
+
+    error = LocalRegistryError
+    name = "the schema registry"
+    start_timeout_s = 90.0
 
     def __init__(self, settings: Settings, port: int | None = None) -> None:
         self.settings = settings
@@ -65,20 +68,9 @@ class LocalRegistry:
     def health_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/health/ready"
 
-    def start(self, timeout_s: float = 90.0) -> RegistryStatus:
-        """Build the application if needed, start it and wait until it reports ready; a no-op
-        (after waiting for readiness) when ours already runs."""
-        proc = self.launch()
-        try:
-            self.wait_ready(timeout_s, proc)
-        except LocalRegistryError:
-            if proc is not None:
-                self.stop()
-            raise
-        return self.status()
-
     def launch(self) -> subprocess.Popen[bytes] | None:
-        """Start the JVM without waiting; None if ours already runs."""
+        """Build the application if needed and start the JVM without waiting; None if ours
+        already runs."""
         if self.running_pid() is not None:
             return None
         jars.build_registry(self.settings)
@@ -97,21 +89,12 @@ class LocalRegistry:
         ]
         return process.launch(cmd, self.log_path, self.pid_path, cwd=self.dir)
 
-    def wait_ready(self, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise LocalRegistryError(
-                    f"the schema registry exited with code {proc.returncode} during start-up. "
-                    f"Last lines of {self.log_path}:\n{self._log_tail()}"
-                )
-            if self.ready():
-                return
-            time.sleep(0.25)
-        raise LocalRegistryError(
-            f"the schema registry on 127.0.0.1:{self.port} was not ready within "
-            f"{timeout_s:.0f}s. Last lines of {self.log_path}:\n{self._log_tail()}"
-        )
+    @property
+    def where(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def answers(self) -> bool:
+        return self.ready()
 
     def ready(self) -> bool:
         """Whether the registry answers its readiness check with status UP."""
@@ -120,10 +103,6 @@ class LocalRegistry:
                 return bool(json.load(resp).get("status") == "UP")
         except (OSError, ValueError):
             return False
-
-    def stop(self, timeout_s: float = 30.0) -> bool:
-        """Stop the registry this module started (SIGTERM, then SIGKILL). True if one ran."""
-        return process.stop(self.running_pid(), self.pid_path, timeout_s)
 
     def status(self) -> RegistryStatus:
         pid = self.running_pid()
@@ -136,9 +115,6 @@ class LocalRegistry:
         jar = str(jars.registry_jar_path(self.settings)).encode()
         port = f"-Dquarkus.http.port={self.port}".encode()
         return process.recorded_pid(self.pid_path, jar, port)
-
-    def _log_tail(self, lines: int = 15) -> str:
-        return process.log_tail(self.log_path, lines)
 
 
 def external_status(settings: Settings) -> RegistryStatus:

@@ -55,7 +55,7 @@ class Victim:
 
     def _not_brokers(self) -> Callable[[int], bool]:
         assert self.cluster is not None
-        brokers = {b._running_pid() for b in self.cluster.nodes}
+        brokers = {b.running_pid() for b in self.cluster.nodes}
         return lambda pid: pid not in brokers
 
 

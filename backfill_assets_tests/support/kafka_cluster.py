@@ -95,7 +95,7 @@ class KafkaCluster:
         through the metadata log, so a client could otherwise be refused by a lagging one."""
         deadline = time.monotonic() + timeout_s
         for node in self.cluster.nodes:
-            if node._running_pid() is None:
+            if node.running_pid() is None:
                 continue
             conf = {
                 **self.settings.kafka.client_config(),
