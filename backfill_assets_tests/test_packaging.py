@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from backfill_assets.stack.settings import REPO_ROOT
+from backfill_assets_tests.support.wheel import build_wheel
 
 PROBE = """
 import json, sys
@@ -41,25 +40,7 @@ print(json.dumps({
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out, src = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("src")
-    # Built from a copy of what git tracks: setuptools writes build/ beside the sources.
-    tracked = subprocess.run(
-        ["git", "ls-files", "-z", "pyproject.toml", "README.md", "LICENSE", "backfill_assets"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout.decode()
-    for name in filter(None, tracked.split("\0")):
-        (src / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO_ROOT / name, src / name)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(src)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    (built,) = out.glob("backfill_assets-*.whl")
-    return built
+    return build_wheel(tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("src"))
 
 
 def test_wheel_holds_the_package_and_its_data_but_not_the_tests(wheel: Path) -> None:

@@ -3,7 +3,7 @@
 
 All three read :class:`~backfill_assets.stack.settings.Settings` from the environment when a run
 starts. Secrets are also resource config: optional fields that
-:func:`backfill_assets.defs.definitions.build_resources` sets to a ``dg.EnvVar`` when the
+:func:`backfill_assets.defs.build.build_resources` sets to a ``dg.EnvVar`` when the
 variable is set, so the Dagster UI shows the variable's name, never its value; the value goes
 into the settings the clients use (:meth:`Settings.with_secrets`). Unset, the settings read
 the environment as before.
