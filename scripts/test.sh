@@ -46,7 +46,7 @@ for tier in $tiers; do
     continue
   fi
   echo "== pytest (-m $tier)"
-  .venv/bin/python -m pytest -m "$tier" "$@"
+  .venv/bin/python -m pytest -m "$tier" --durations=10 "$@"
   if [ "$tier" = cluster ]; then
     # The same marker on the production-shaped stack (backfill_assets_tests/support/
     # cluster_stack.py): Postgres, S3Proxy, 3 SASL/SCRAM TLS brokers, a Spark standalone cluster
@@ -58,7 +58,7 @@ for tier in $tiers; do
     echo "== pytest (cluster stack: test_cluster, exactness, faults; BACKFILL_TEST_STACK=cluster)"
     BACKFILL_TEST_STACK=cluster .venv/bin/python -m pytest \
       -m "cluster or faults or not (slow or browser or convergence)" \
-      -k "not (each_check_blocks and large)" "$@" \
+      -k "not (each_check_blocks and large)" --durations=10 "$@" \
       backfill_assets_tests/test_cluster.py backfill_assets_tests/lake/test_exactness.py \
       backfill_assets_tests/lake/test_rollback_faults.py backfill_assets_tests/lake/test_faults.py
   fi
