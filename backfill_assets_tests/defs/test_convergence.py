@@ -2,19 +2,24 @@
 sensors alone (no run launched by the test, no ``evaluate_tick``) keeps every table equal to
 an independent ground truth against hostile producers.
 
-One daemon serves three topics for the whole module:
+One daemon serves three topics for the whole module, named the way real estates name Kafka
+topics (dots, hyphens, capitals: issue 48), so every sensor, run, table and CLI path here runs
+on such a name; their identifiers (tables, asset keys, sensor names) are derived from it:
 
-* ``cv_*``: a transactional producer committing every few records with aborted transactions
-  (aborted records reuse committed event ids with other amounts), an outage hour (Kafka hour
-  03 empty on every partition) whose events arrive in hour 04 within the lateness, events late
-  beyond the lateness, a correction that moves an event to another event hour, several events
-  per order (the current state picks by event time), and two declared tables: ``_hourly``
-  (events and amount per event hour) and ``_rolling`` (``lookback_hours`` 2). Each phase is
-  produced under an open transaction on every partition (aborted at the end), so no tick sees
-  half a phase;
-* ``cvc_*``: a compacted topic from the hostile generator (skewed producers, aborts,
-  re-sends, corrections, tombstones); its truth is what the log holds once the cleaner ran;
-* ``cvr_*``: deleted and recreated mid-way (``test_recreated_topic_is_refused``).
+* ``cv.<suffix>-orders`` (identifier ``cv_<suffix>_orders``): a transactional producer
+  committing every few records with aborted transactions (aborted records reuse committed
+  event ids with other amounts), an outage hour (Kafka hour 03 empty on every partition)
+  whose events arrive in hour 04 within the lateness, events late beyond the lateness, a
+  correction that moves an event to another event hour, several events per order (the
+  current state picks by event time), and two declared tables: ``_hourly`` (events and
+  amount per event hour) and ``_rolling`` (``lookback_hours`` 2). Each phase is produced
+  under an open transaction on every partition (aborted at the end), so no tick sees half a
+  phase;
+* ``cvc.<suffix>-orders``: a compacted topic from the hostile generator (skewed producers,
+  aborts, re-sends, corrections, tombstones); its truth is what the log holds once the
+  cleaner ran;
+* ``CVR.<suffix>-orders.v1``: deleted and recreated mid-way
+  (``test_recreated_topic_is_refused``).
 
 Phases: history, converge, compare; an outage hour, late data and a moved correction,
 converge, compare; a rollback of a raw run through the CLI directly followed by more late data
@@ -46,11 +51,13 @@ from confluent_kafka import KafkaException, TopicCollection
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 from dagster._core.scheduler.instigation import InstigatorType, TickStatus
 
+from backfill_assets.defs.assets import current_asset_key, raw_asset_key
+from backfill_assets.defs.sensors import gap_sensor_name, late_sensor_name
 from backfill_assets.demo.generator import TOPIC_CONFIGS, partition_for
 from backfill_assets.lake.coverage import detect
 from backfill_assets.lake.offsets import ledger
 from backfill_assets.spec.loader import load_specs, spec_path
-from backfill_assets.spec.model import TopicSpec
+from backfill_assets.spec.model import TopicSpec, identifier_of
 from backfill_assets.stack import catalog
 from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import REPO_ROOT, Settings
@@ -304,18 +311,18 @@ def tables_vs_truth(lab: Lab) -> list[str]:
     out += _compacted_vs_truth(lab, lab.compacted_truth)
     hourly = {
         r["event_hour"].astimezone(UTC): (r["events"], r["amount_minor"])
-        for r in _rows(lab, f"{lab.main.topic}_hourly")
+        for r in _rows(lab, f"{lab.main.name}_hourly")
     }
     rolling = {
         r["event_hour"].astimezone(UTC): r["events_3h"]
-        for r in _rows(lab, f"{lab.main.topic}_rolling")
+        for r in _rows(lab, f"{lab.main.name}_rolling")
     }
     for name, got_t, want_t in (
         ("hourly", hourly, truth_hourly(lab.truth)),
         ("rolling", rolling, truth_rolling(lab.truth)),
     ):
         if got_t != want_t:
-            out.append(_diff(f"{lab.main.topic}_{name}", got_t, want_t))
+            out.append(_diff(f"{lab.main.name}_{name}", got_t, want_t))
     return out
 
 
@@ -387,12 +394,15 @@ def _diff(name: str, got: dict[Any, Any], want: dict[Any, Any]) -> str:
 
 
 def _spec_entry(base: dict[str, Any], topic: str, start: datetime, tables: bool) -> dict[str, Any]:
+    """``topic``'s entry, with no ``name``: its identifier is derived (identifier_of), and
+    its declared tables' names and SQL use that identifier."""
     entry = {**base, "topic": topic, "partition_start": start.isoformat(), "tables": []}
+    ident = identifier_of(topic)
     if tables:
         entry["tables"] = [
             {
-                "name": f"{topic}_hourly",
-                "sql": HOURLY_SQL.format(topic=topic),
+                "name": f"{ident}_hourly",
+                "sql": HOURLY_SQL.format(topic=ident),
                 "event_time": "event_hour",
                 "grain": ["event_hour"],
                 "columns": [
@@ -403,8 +413,8 @@ def _spec_entry(base: dict[str, Any], topic: str, start: datetime, tables: bool)
                 "measures": [{"name": "events", "table": "sum(events)", "source": "count(*)"}],
             },
             {
-                "name": f"{topic}_rolling",
-                "sql": ROLLING_SQL.format(topic=topic, lookback=LOOKBACK),
+                "name": f"{ident}_rolling",
+                "sql": ROLLING_SQL.format(topic=ident, lookback=LOOKBACK),
                 "event_time": "event_hour",
                 "grain": ["event_hour"],
                 "lookback_hours": LOOKBACK,
@@ -423,9 +433,9 @@ def _write_specs(directory: Path, suffix: str) -> Path:
     # The hostile producers' clocks run up to 40 s early: their first records are stamped in
     # the hour before START.
     entries = [
-        _spec_entry(base, f"cv_{suffix}", START, tables=True),
-        _spec_entry(base, f"cvc_{suffix}", START - HOUR, tables=False),
-        _spec_entry(base, f"cvr_{suffix}", START, tables=False),
+        _spec_entry(base, f"cv.{suffix}-orders", START, tables=True),
+        _spec_entry(base, f"cvc.{suffix}-orders", START - HOUR, tables=False),
+        _spec_entry(base, f"CVR.{suffix}-orders.v1", START, tables=False),
     ]
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "topics.yaml"
@@ -467,6 +477,12 @@ def lab(
     path = _write_specs(home / "spec", suffix)
     specs = load_specs(path)
     main, compacted, recreated = specs
+    # Kafka by the real name; everything else by three distinct derived identifiers.
+    assert [s.name for s in specs] == [
+        f"cv_{suffix}_orders",
+        f"cvc_{suffix}_orders",
+        f"cvr_{suffix}_orders_v1",
+    ]
     _create(stack_settings, main.topic)
     _create(stack_settings, recreated.topic)
     compacted_truth = _compacted(stack_settings, compacted.topic)
@@ -517,7 +533,7 @@ def sensor_ticks(lab: Lab, name: str, after: float) -> list[Any]:
 def _tick_summary(lab: Lab, after: float) -> str:
     lines = []
     for spec in lab.specs:
-        for name in (f"{spec.topic}_offset_gaps", f"{spec.topic}_late_data"):
+        for name in (gap_sensor_name(spec), late_sensor_name(spec)):
             for tick in sensor_ticks(lab, name, after)[:3]:
                 lines.append(
                     f"  {name} {tick.status.value} runs={tick.run_ids} "
@@ -575,7 +591,7 @@ def converge(lab: Lab, phase: str) -> None:
     every table equals the truth; fail after MAX_TICKS gap-sensor ticks of the main topic with
     what is missing and the last ticks' skip reasons and errors."""
     began = time.time()
-    gap = f"{lab.main.topic}_offset_gaps"
+    gap = gap_sensor_name(lab.main)
     differs: list[str] = []
     due: dict[str, Any] = {}
     settled_but_wrong = 0  # polls in a row with nothing due, nothing running, tables wrong
@@ -667,8 +683,15 @@ def test_sensors_alone_converge_every_table(lab: Lab) -> None:
     cat = catalog.load(lab.settings.catalog)
     ns = lab.settings.catalog.namespace
     undone = ledger.coverage(cat, ns, lab.full(lab.main.raw_table))[_at(5)].run_id
-    out = cli(lab, "rollback", "--run", undone, "--table", lab.main.raw_table)
+    out = cli(lab, "rollback", "--run", undone, "--table", lab.main.raw_table, "--json")
     assert out.returncode == 0, out.stdout + out.stderr
+    done = json.loads(out.stdout)
+    # Recorded in the daemon's instance under the identifier's asset key (table -> asset).
+    assert [t["table_name"] for t in done["tables"]] == [lab.full(lab.main.raw_table)], done
+    assert (
+        done["dagster"]["recorded"]
+        and done["dagster"]["materializations"] + done["dagster"]["observations"] > 0
+    ), done["dagster"]
     assert _at(5) not in ledger.coverage(cat, ns, lab.full(lab.main.raw_table))
     produce(
         lab,
@@ -681,6 +704,10 @@ def test_sensors_alone_converge_every_table(lab: Lab) -> None:
     )
     converge(lab, "rollback, then late and moved again")
     wall = time.monotonic() - began
+    # The operator's view by the real Kafka name agrees: nothing due.
+    out = cli(lab, "gaps", "--topic", lab.main.topic, "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads(out.stdout)["topic"] == lab.main.topic
     # Shown with -s (and kept in the test's Dagster home): ticks and seconds per phase.
     summary = f"convergence: {lab.ticks_to_converge}; phases took {wall:.0f} s\n"
     sys.stderr.write(summary)
@@ -718,7 +745,7 @@ def test_recreated_topic_is_refused(lab: Lab) -> None:
     _produce_plain(lab.settings, topic, [Ev(f"n-{i}", f"o-n-{i}", 1, 1) for i in range(4)])
 
     since = time.time()
-    gap = f"{topic}_offset_gaps"
+    gap = gap_sensor_name(lab.recreated)
     # The daemon evaluates its sensors one after another: on busy cores a sensor ticks far
     # less often than every TICK_S (the first run of this tier saw gaps of minutes).
     deadline = time.monotonic() + 60 * TICK_S
@@ -726,7 +753,7 @@ def test_recreated_topic_is_refused(lab: Lab) -> None:
         time.sleep(2)
     ticks = sensor_ticks(lab, gap, since)
     assert len(ticks) >= 3, _tick_summary(lab, since)
-    keys = {dg.AssetKey(["raw", topic]), dg.AssetKey(["lakehouse", f"{topic}_current"])}
+    keys = {raw_asset_key(lab.recreated), current_asset_key(lab.recreated)}
     launched = [
         r
         for r in lab.instance.get_runs(filters=dg.RunsFilter(created_after=_naive(since)))

@@ -14,6 +14,12 @@ The history is recent (it ends 6 hours before now) and the spec served is the sh
 ``partition_start`` two hours before it, so the bar is a dozen hours a reader can see, not every
 hour since the shipped start.
 
+The served spec also holds a second topic named the way real estates name Kafka topics,
+``Shop.Orders-v1`` (the shipped entry without its declared tables; identifier
+``shop_orders_v1``, issue 48): the same UI backfill targets its raw asset too, so a backfill
+launched through the webserver is proven on such a name (asset key, run, checks, the table's
+main), and its asset page shows the real Kafka name.
+
 The webserver serves the code location of ``topics.yaml``, so the topic is the shipped
 ``orders`` (as in test_operator.py, which fills the same topic): this module must run in a
 pytest session of its own, which ``-m browser`` (scripts/test.sh) gives it.
@@ -35,16 +41,18 @@ from typing import TYPE_CHECKING
 
 import dagster as dg
 import pytest
+import yaml
 
-from backfill_assets.defs.assets import build_topic_assets, table_asset_key
+from backfill_assets.defs.assets import build_topic_assets, raw_asset_key, table_asset_key
 from backfill_assets.defs.definitions import RESOURCES, SPECS
 from backfill_assets.defs.partitions import kafka_hours
 from backfill_assets.defs.sensors import build_gap_sensor
 from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate
 from backfill_assets.lake.write.checks import CHECK_NAMES
 from backfill_assets.ops import launch
+from backfill_assets.spec.declared import renamed
 from backfill_assets.spec.loader import load_specs
-from backfill_assets.spec.model import SPEC_PATH
+from backfill_assets.spec.model import SPEC_PATH, TopicSpec
 from backfill_assets.stack.settings import REPO_ROOT, Settings
 
 if TYPE_CHECKING:
@@ -55,6 +63,9 @@ pytestmark = pytest.mark.browser
 
 SPEC = SPECS[0]
 RAW = dg.AssetKey(["raw", SPEC.topic])
+# The second topic: a real-world Kafka name, its identifier derived from it.
+DOTTED = renamed(SPEC, topic="Shop.Orders-v1", tables=())
+DOTTED_RAW = raw_asset_key(DOTTED)
 # Six hours of history ending six hours before now: Kafka hours 6..11 hold nothing, and every
 # event hour up to 8 has its allowed lateness (3 h) behind it.
 START = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=12)
@@ -127,8 +138,13 @@ def _served_spec(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     text = SPEC_PATH.read_text()
     shipped = f'partition_start: "{SPEC.partition_start.isoformat()}"'
     assert shipped in text, shipped
+    doc = yaml.safe_load(text.replace(shipped, f'partition_start: "{FIRST.isoformat()}"'))
+    (entry,) = [t for t in doc["topics"] if t["topic"] == SPEC.topic]
+    # The second topic as a team writes it: the real name, no `name:` (derived), no tables.
+    doc["topics"].append({**entry, "topic": DOTTED.topic, "tables": []})
     path = spec_dir / "topics.yaml"
-    path.write_text(text.replace(shipped, f'partition_start: "{FIRST.isoformat()}"'))
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    assert [s.name for s in load_specs(path)] == [SPEC.name, "shop_orders_v1"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("BACKFILL_SPEC", str(path))
         mp.setenv("BACKFILL_SEAL_GRACE_S", "0")
@@ -141,6 +157,7 @@ class Backfill:
     progress: launch.Progress
     runs: dict[str, str]  # run id -> status, as the UI's run list shows them
     truth: GroundTruth
+    dotted_truth: GroundTruth  # of the DOTTED topic
     failures: list[str]  # the errors the UI's run pages show, for the assertion messages
 
 
@@ -158,9 +175,17 @@ def backfill(
         stack_settings,
         GeneratorConfig(topic=SPEC.topic, start=START, hours=6, events_per_hour=100, seed=5),
     )
+    dotted_truth = generate(
+        stack_settings,
+        GeneratorConfig(
+            topic=DOTTED.topic, start=START, hours=6, events_per_hour=40, partitions=2, seed=9
+        ),
+    )
     client = launch.DagsterClient(dagster_services)
-    # Exactly what the UI sends: the asset, a partition range, no tags.
-    backfill_id = launch.launch_backfill(client, [(RAW, *RANGE)], tags={}, title="e2e: raw")
+    # Exactly what the UI sends: the assets, a partition range, no tags.
+    backfill_id = launch.launch_backfill(
+        client, [(RAW, *RANGE), (DOTTED_RAW, *RANGE)], tags={}, title="e2e: raw"
+    )
     progress = launch.wait(client, backfill_id, poll_s=2.0, timeout_s=600)
     runs = client.query(launch.RUN_METADATA, {"id": backfill_id})["runsOrError"]["results"]
     failures = [
@@ -171,43 +196,64 @@ def backfill(
         for event in client.query(RUN_FAILURES, {"runId": r["runId"]})["logsForRun"]["events"]
         if event.get("error")
     ]
-    return Backfill(backfill_id, progress, {r["runId"]: r["status"] for r in runs}, truth, failures)
+    return Backfill(
+        backfill_id,
+        progress,
+        {r["runId"]: r["status"] for r in runs},
+        truth,
+        dotted_truth,
+        failures,
+    )
 
 
 def test_backfill_launched_like_the_ui_publishes_main(
     backfill: Backfill, dagster_services: str, stack_settings: Settings, iceberg_catalog: Catalog
 ) -> None:
     assert backfill.progress.succeeded, [backfill.progress.line(), *backfill.failures]
-    assert (backfill.progress.targeted, backfill.progress.materialized) == (4, 4)
+    assert (backfill.progress.targeted, backfill.progress.materialized) == (8, 8)
     assert backfill.runs and set(backfill.runs.values()) == {"SUCCESS"}, backfill.runs
+    client = launch.DagsterClient(dagster_services)
+    for spec, key, truth in (
+        (SPEC, RAW, backfill.truth),
+        (DOTTED, DOTTED_RAW, backfill.dotted_truth),
+    ):
+        run_id = _published_main(backfill, stack_settings, iceberg_catalog, spec, truth)
+        # What the UI's asset page shows: 4 partitions materialized, each blocking check
+        # passed in the run that published main.
+        node = client.query(ASSET_STATE, {"key": {"path": list(key.path)}})["assetNodeOrError"]
+        assert node["partitionStats"]["numMaterialized"] == 4, (key, node["partitionStats"])
+        assert node["partitionStats"]["numFailed"] == 0
+        checks = {c["name"]: c for c in node["assetChecksOrError"]["checks"]}
+        assert set(checks) == set(CHECK_NAMES)
+        for name, check in checks.items():
+            execution = check["executionForLatestMaterialization"]
+            assert check["blocking"], name
+            assert execution == {"runId": run_id, "status": "SUCCEEDED"}, (key, name)
 
-    table = iceberg_catalog.load_table(f"{stack_settings.catalog.namespace}.{SPEC.raw_table}")
+
+def _published_main(
+    backfill: Backfill,
+    stack_settings: Settings,
+    iceberg_catalog: Catalog,
+    spec: TopicSpec,
+    truth: GroundTruth,
+) -> str:
+    """Check that main of ``spec``'s raw table was published by a run of the backfill, every
+    check passed, with exactly the offsets of the range's hours; return that run's id."""
+    table = iceberg_catalog.load_table(f"{stack_settings.catalog.namespace}.{spec.raw_table}")
     main = table.snapshot_by_name("main")
     assert main is not None and main.summary is not None
     summary: dict[str, str] = dict(main.summary.additional_properties)
     assert summary["backfill.run-id"] in backfill.runs
     assert json.loads(summary["backfill.checks"]) == dict.fromkeys(CHECK_NAMES, "passed")
     assert json.loads(summary["backfill.offsets"]) == {
-        str(p): [
-            backfill.truth.hour_offsets[p][HOURS[0]][0],
-            backfill.truth.hour_offsets[p][HOURS[-1]][1],
-        ]
-        for p in range(6)
+        str(p): [truth.hour_offsets[p][HOURS[0]][0], truth.hour_offsets[p][HOURS[-1]][1]]
+        for p in range(truth.partitions)
     }
-
-    # What the UI's asset page shows: 4 partitions materialized, each blocking check passed
-    # in the run that published main.
-    node = launch.DagsterClient(dagster_services).query(
-        ASSET_STATE, {"key": {"path": list(RAW.path)}}
-    )["assetNodeOrError"]
-    assert node["partitionStats"]["numMaterialized"] == 4, node["partitionStats"]
-    assert node["partitionStats"]["numFailed"] == 0
-    checks = {c["name"]: c for c in node["assetChecksOrError"]["checks"]}
-    assert set(checks) == set(CHECK_NAMES)
-    for name, check in checks.items():
-        execution = check["executionForLatestMaterialization"]
-        assert check["blocking"], name
-        assert execution == {"runId": summary["backfill.run-id"], "status": "SUCCEEDED"}, name
+    # Kafka was read by the real name.
+    rows = table.scan(selected_fields=("topic",), limit=1).to_arrow()
+    assert rows.column("topic").to_pylist() == [spec.topic]
+    return summary["backfill.run-id"]
 
 
 @pytest.fixture
@@ -289,6 +335,15 @@ def test_ui_shows_the_materialized_partitions(
     assert all(f"\n{k}\n" in text for k in keys), text
     run = re.search(r"\nRun\n([0-9a-f]{8})\n", text)
     assert run is not None and run[1] in {r[:8] for r in backfill.runs}, text
+
+    # The second topic's asset page, under its identifier, names the real Kafka topic.
+    browser.get(f"{dagster_services}/assets/{'/'.join(DOTTED_RAW.path)}")
+    text = _wait_for(
+        browser,
+        lambda t: f"Kafka topic '{DOTTED.topic}'" in t,
+        f"the asset {DOTTED_RAW.to_user_string()} naming the Kafka topic {DOTTED.topic!r}",
+    )
+    (ARTIFACTS / f"raw_{DOTTED.name}.txt").write_text(text)
 
 
 def _report_empty_hours(stack_env: dict[str, str], served: Path) -> set[str]:
