@@ -3,7 +3,8 @@
 Every failure the project anticipates (a :class:`~backfill_assets.errors.BackfillError`)
 prints ``error: <message>`` on stderr, saying what to run next, and exits with the status of
 its ``kind`` (:class:`~.common.Exit`): 2 wrong arguments or settings (as click's usage errors),
-3 a service unavailable, 4 refused or failed.
+3 a service unavailable, 4 refused or failed. Anything else is a bug or a failure nobody
+anticipated: one line naming it and exit 5 (the traceback with ``--debug``); Ctrl-C exits 130.
 ``--json`` on every command prints exactly one JSON document on stdout and nothing else there;
 progress bars and notes always go to stderr (:mod:`.output`).
 
@@ -17,7 +18,10 @@ the library reports progress through plain callbacks.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import sys
+import traceback
 import warnings
 from collections.abc import Iterator, Mapping
 from importlib import metadata
@@ -132,8 +136,13 @@ def _version() -> str:
 @click.version_option(
     _version(), "--version", prog_name="backfill-assets", message="%(prog)s %(version)s"
 )
+@click.option(
+    "--debug",
+    is_flag=True,
+    help="Show the traceback of an unexpected error (exit status 5) instead of one line.",
+)
 @click.pass_context
-def cli(ctx: click.Context) -> None:
+def cli(ctx: click.Context, debug: bool) -> None:
     """Safe Kafka -> Iceberg backfills with Dagster.
 
     The Dagster instance is $DAGSTER_HOME's; when it is unset, the current directory's or else
@@ -150,6 +159,8 @@ def cli(ctx: click.Context) -> None:
       4  refused or failed: a check or a guard refused (e.g. a rollback that would discard
          later publishes, or `gaps` of a topic deleted and recreated that awaits `adopt`),
          or a run, a backfill or a maintenance step failed
+      5  an unexpected error (a bug): one line names it; --debug shows the traceback
+      130  interrupted (Ctrl-C)
     """
     ctx.with_resource(_dagster_home())
 
@@ -182,12 +193,43 @@ def main(argv: list[str] | None = None) -> int:
     # Dagster flags beta parameters (backfill_policy) on every load; operators need not see it.
     warnings.filterwarnings("ignore", category=dg.BetaWarning)
     warnings.filterwarnings("ignore", category=dg.PreviewWarning)
+    args = sys.argv[1:] if argv is None else argv
     try:
-        result = cli.main(args=argv, prog_name="backfill-assets", standalone_mode=False)
+        result = cli.main(args=args, prog_name="backfill-assets", standalone_mode=False)
     except click.ClickException as exc:
         exc.show()
         return exc.exit_code
-    except click.Abort:
+    except click.Abort as exc:
+        # click turns Ctrl-C (KeyboardInterrupt) anywhere in a command into Abort.
+        if isinstance(exc.__cause__, KeyboardInterrupt):
+            return _interrupted()
         click.echo("aborted", err=True)
         return Exit.NOT_OK
+    except KeyboardInterrupt:
+        return _interrupted()
+    except Exception as exc:  # the one place an error no code anticipated is reported
+        return unexpected(exc, debug=_debug(args))
     return int(result or 0)
+
+
+def _interrupted() -> int:
+    click.echo("interrupted (Ctrl-C)", err=True)
+    return Exit.INTERRUPTED
+
+
+def _debug(args: list[str]) -> bool:
+    """Whether ``--debug`` is among the root group's options (the arguments before the
+    command's name; the group's options take no values)."""
+    return "--debug" in itertools.takewhile(lambda arg: arg.startswith("-"), args)
+
+
+def unexpected(exc: BaseException, *, debug: bool) -> int:
+    """Report an error no code anticipated: its traceback with ``--debug``, then one line
+    naming it (its type and the first line of its message); exit status 5."""
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    lines = str(exc).strip().splitlines()
+    name = type(exc).__name__ + (f": {lines[0]}" if lines else "") + (" ..." if lines[1:] else "")
+    hint = "" if debug else "; re-run with --debug for the traceback"
+    click.echo(f"error: unexpected error: {name}{hint}", err=True)
+    return Exit.UNEXPECTED
