@@ -1,5 +1,6 @@
 """The CLI's edges: Ctrl-C exits 130 and an unexpected error 5, each with one line on stderr
-(``--debug`` shows the traceback). Cheap: in-process or one small subprocess, no Spark."""
+(``--debug`` shows the traceback); ``stack status`` exits 1 when a component it expects is
+down. Cheap: in-process or one small subprocess, no Spark, no broker."""
 
 from __future__ import annotations
 
@@ -10,12 +11,17 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 import pytest
 
 from backfill_assets.ops import cli
+from backfill_assets.ops.cli import stack
 from backfill_assets.ops.cli.common import Exit
+from backfill_assets.stack.broker import BrokerStatus, LocalBroker
+from backfill_assets.stack.connect import ConnectStatus, LocalConnectServer
+from backfill_assets.stack.registry import RegistryStatus
 from backfill_assets.stack.settings import REPO_ROOT
 
 
@@ -101,3 +107,78 @@ def test_ctrl_c_exits_130(tmp_path: Path) -> None:
     assert proc.returncode == 130, err
     assert out == b""
     assert err.decode().strip() == "interrupted (Ctrl-C)"
+
+
+# -- stack status ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def empty_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A BACKFILL_HOME where nothing runs, with the local registry (not an external one)."""
+    monkeypatch.setenv("BACKFILL_HOME", str(tmp_path))
+    monkeypatch.delenv("BACKFILL_SCHEMA_REGISTRY_URL", raising=False)
+    return tmp_path
+
+
+@pytest.mark.usefixtures("empty_home")
+def test_stack_status_exits_1_naming_what_is_down(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["stack", "status"]) == Exit.NOT_OK
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert [line.split(" url=")[0].split(" bootstrap=")[0] for line in lines] == [
+        "broker stopped",
+        "schema registry stopped",
+        "spark connect stopped",
+    ]
+    assert (
+        err
+        == "down: broker, schema registry, spark connect (start it: `backfill-assets stack up`)\n"
+    )
+
+
+@pytest.mark.usefixtures("empty_home")
+def test_stack_status_json_lists_what_is_down(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    assert cli.main(["stack", "status", "--cdc", "--json"]) == Exit.NOT_OK
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["down"] == [
+        "broker",
+        "schema registry",
+        "spark connect",
+        "cdc postgres",
+        "kafka connect",
+    ]
+
+
+def test_stack_status_exits_0_when_every_expected_component_answers(
+    empty_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broker(self: LocalBroker) -> BrokerStatus:
+        return BrokerStatus(pid=1, running=True, responding=True, bootstrap_servers="b:1")
+
+    def server(self: LocalConnectServer, timeout_s: float = 10.0) -> ConnectStatus:
+        return ConnectStatus(pid=2, running=True, responding=True, url="sc://h:1")
+
+    def registry(settings: Any, *, start: bool) -> RegistryStatus:
+        return RegistryStatus(pid=3, running=True, ready=True, url="http://h:2")
+
+    monkeypatch.setattr(LocalBroker, "status", broker)
+    monkeypatch.setattr(LocalConnectServer, "status", server)
+    monkeypatch.setattr(stack, "_registry", registry)
+    assert cli.main(["stack", "status"]) == Exit.OK
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 3 and err == ""
+    # The CDC source is expected only when asked for (--cdc); here it does not run.
+    assert cli.main(["stack", "status", "--cdc"]) == Exit.NOT_OK
+    assert capsys.readouterr().err.startswith("down: cdc postgres, kafka connect")
+
+
+def test_an_external_registry_that_does_not_answer_is_down(
+    empty_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("BACKFILL_SCHEMA_REGISTRY_URL", "http://127.0.0.1:9/apis/ccompat/v7")
+    assert cli.main(["stack", "status"]) == Exit.NOT_OK
+    out, err = capsys.readouterr()
+    assert "schema registry (BACKFILL_SCHEMA_REGISTRY_URL) NOT answering" in out
+    assert "schema registry" in err

@@ -152,7 +152,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
     Exit status:
       0  done
       1  the command's answer is no: a red score in `plan`, gaps due in `gaps`, a broker that
-         does not answer `kafka status`
+         does not answer `kafka status`, a component down in `stack status`
       2  wrong arguments or settings; the message says what is allowed
       3  a service is unavailable: Kafka, the local stack, the catalog or the webserver did
          not answer; run again once it is back
