@@ -10,9 +10,9 @@ progress bars and notes always go to stderr (:mod:`.output`).
 
 This package holds the root group and :func:`main`; the commands are in one module per group
 (:mod:`.stack`, :mod:`.backfill`, :mod:`.rollback`, :mod:`.upkeep`, :mod:`.adopt`,
-:mod:`.accept`, :mod:`.quarantine`, :mod:`.columns`), what they share in :mod:`.common` and
-all rendering in :mod:`.output`. All click and rich code of the project is in this package;
-the library reports progress through plain callbacks.
+:mod:`.accept`, :mod:`.quarantine`, :mod:`.columns`, :mod:`.settings`), what they share in
+:mod:`.common` and all rendering in :mod:`.output`. All click and rich code of the project is
+in this package; the library reports progress through plain callbacks.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from backfill_assets.ops.cli import (
     columns,
     quarantine,
     rollback,
+    settings,
     stack,
     upkeep,
 )
@@ -110,12 +111,13 @@ def dagster_home_defaults(
 
 
 @contextlib.contextmanager
-def _dagster_home() -> Iterator[None]:
-    """:func:`dagster_home_defaults` in ``os.environ`` while a command runs, then as before."""
+def _dagster_home() -> Iterator[frozenset[str]]:
+    """:func:`dagster_home_defaults` in ``os.environ`` while a command runs, then as before;
+    yields the names of the variables it set."""
     defaults = dagster_home_defaults(os.environ)
     os.environ.update(defaults)
     try:
-        yield
+        yield frozenset(defaults)
     finally:
         for name in defaults:
             os.environ.pop(name, None)
@@ -162,7 +164,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
       5  an unexpected error (a bug): one line names it; --debug shows the traceback
       130  interrupted (Ctrl-C)
     """
-    ctx.with_resource(_dagster_home())
+    ctx.meta[settings.CLI_SET] = ctx.with_resource(_dagster_home())
 
 
 for _command in (
@@ -184,6 +186,7 @@ for _command in (
     accept.accept_command,
     quarantine.quarantine_command,
     columns.columns_command,
+    settings.settings_command,
 ):
     cli.add_command(_command)
 
