@@ -9,6 +9,9 @@
 #   infra/production/requirements.lock  the project's dependencies and the image's one
 #                                       production extra (dagster-k8s) at the same versions,
 #                                       hashed: the image installs it with --require-hashes
+#   infra/production/pip.lock           the pip that made these locks, hashed: the image
+#                                       installs it first (the base image's pip 23 cannot read
+#                                       a hashed lock whose packages ask for extras, gql[requests])
 set -euo pipefail
 cd "$(dirname "$0")/.."
 UV_VERSION=0.13.8
@@ -36,5 +39,12 @@ echo "$DAGSTER_K8S" > "$tmp/production.in"
   echo "# requirements.lock's versions, hashed (scripts/lock.sh made it on Python $pyver)."
   compile pyproject.toml "$tmp/production.in" -c "$tmp/freeze.txt"
 } > infra/production/requirements.lock
+pip_version=$("$tmp/venv/bin/python" -m pip --version | cut -d' ' -f2)
+echo "pip==$pip_version" > "$tmp/pip.in"
+{
+  echo "# The pip the production image installs first, hashed (scripts/lock.sh)."
+  compile "$tmp/pip.in"
+} > infra/production/pip.lock
 echo "lock: wrote requirements.lock ($(grep -c '^[A-Za-z0-9]' requirements.lock) packages)" \
-  "and infra/production/requirements.lock ($(grep -c '^[A-Za-z0-9]' infra/production/requirements.lock))"
+  "and infra/production/requirements.lock ($(grep -c '^[A-Za-z0-9]' infra/production/requirements.lock))," \
+  "infra/production/pip.lock (pip $pip_version)"
