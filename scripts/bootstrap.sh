@@ -17,14 +17,14 @@ done
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-# Packages come from requirements.lock (every version pinned; scripts/lock.sh makes it from
-# pyproject.toml), then the project itself without dependencies.
+# Packages come from requirements.lock (every version pinned and every file's sha256 checked;
+# scripts/lock.sh makes it from pyproject.toml), then the project itself without dependencies.
 stamp=.venv/.installed-lock.sha256
 want=$(cat pyproject.toml requirements.lock | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "bootstrap: installing Python packages into .venv (requirements.lock)"
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -r requirements.lock
+  .venv/bin/python -m pip install -q --require-hashes -r requirements.lock
   .venv/bin/python -m pip install -q --no-deps -e .
   .venv/bin/python -m pip check >/dev/null || {
     echo "bootstrap: requirements.lock does not satisfy pyproject.toml; run scripts/lock.sh" >&2

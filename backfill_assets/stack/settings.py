@@ -4,7 +4,9 @@ Every environment-specific value is a named setting read from ``BACKFILL_*`` env
 variables (plus the standard ``AWS_*`` ones for object storage). Nothing else in the package
 calls ``os.environ``. Defaults describe the embedded local stack: a KRaft broker on 127.0.0.1,
 Spark ``local[2]``, a SQLite SQL catalog with a ``file://`` warehouse, all under ``.stack/``.
-``infra/README.md`` lists every variable and a production example.
+``infra/README.md`` lists every variable and a production example; ``backfill-assets
+settings`` lists each with its current value, its default and its source (:func:`listing`,
+derived from the reads of :meth:`Settings.from_env` itself, secrets masked).
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from backfill_assets.errors import SettingsError
 
@@ -292,7 +294,9 @@ class Settings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """Read settings from ``environ`` (default: the process environment)."""
-        env = dict(os.environ if environ is None else environ)
+        env = (
+            environ if isinstance(environ, Env) else Env(os.environ if environ is None else environ)
+        )
         home = Path(env.get("BACKFILL_HOME", str(DEFAULT_HOME))).resolve()
         kafka = _kafka_settings(env)
         catalog = _catalog_settings(env, home)
@@ -302,7 +306,8 @@ class Settings:
             jar_cache=Path(env.get("BACKFILL_JAR_CACHE", str(home / "jars"))).resolve(),
             kafka=kafka,
             catalog=catalog,
-            spark_master=env.get("BACKFILL_SPARK_MASTER") or default_master(throttle),
+            spark_master=env.get("BACKFILL_SPARK_MASTER", default_master(throttle))
+            or default_master(throttle),
             spark_driver_memory=_memory(env, "BACKFILL_SPARK_DRIVER_MEMORY", "2g") or "2g",
             spark_shuffle_partitions=_int(env, "BACKFILL_SPARK_SHUFFLE_PARTITIONS", 4),
             spark_executor_memory=_memory(env, "BACKFILL_SPARK_EXECUTOR_MEMORY", None),
@@ -357,6 +362,89 @@ def secrets_set(environ: Mapping[str, str] | None = None) -> frozenset[str]:
     their values are not returned."""
     env = os.environ if environ is None else environ
     return frozenset(name for name in SECRET_VARS if name in env)
+
+
+class Env(Mapping[str, str]):
+    """The environment as :meth:`Settings.from_env` reads it: each read (``get``, ``[]``)
+    records the variable and the default the parser falls back to, so :func:`listing` names
+    exactly the variables the parser reads, with no second list to keep in step."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self._values = dict(environ)
+        self.defaults: dict[str, str | None] = {}  # variable -> its default, in reading order
+
+    def __getitem__(self, name: str) -> str:
+        self.defaults.setdefault(name, None)
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """The variable's value, else ``default`` (recorded as its default: None is unset)."""
+        self.defaults.setdefault(name, default)
+        return self._values.get(name, default)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One variable :meth:`Settings.from_env` reads, as ``backfill-assets settings`` shows it:
+    its value (None: unset) and its default (None: unset), secrets masked."""
+
+    variable: str
+    value: str | None
+    default: str | None
+    source: Literal["environment", "default"]
+    secret: bool
+
+
+MASK = "***"
+# Secrets inside other values: a URL's password (scheme://user:PASSWORD@host), a parameter
+# such as Spark Connect's ``;token=...``, and a JSON value whose key names a secret
+# (BACKFILL_SPARK_CONF).
+_SECRET_WORDS = r"(?:token|password|passwd|secret|credential|key)"
+_EMBEDDED_SECRETS = (
+    (re.compile(r"(\w[\w+.-]*://[^/\s:@]*:)[^@\s/]*@"), rf"\g<1>{MASK}@"),
+    (re.compile(rf"(?i)(\b\w*{_SECRET_WORDS}\w*=)[^;&\s]+"), rf"\g<1>{MASK}"),
+    (
+        re.compile(rf'(?i)("[^"]*{_SECRET_WORDS}[^"]*"\s*:\s*)("(?:[^"\\]|\\.)*"|[^,}}\s]+)'),
+        rf'\g<1>"{MASK}"',
+    ),
+)
+
+
+def masked(variable: str, value: str | None) -> str | None:
+    """``value`` fit to print: a secret variable's value is never shown (``***``), and secrets
+    inside other values (URL passwords, tokens, secret keys of a JSON object) are masked."""
+    if value is None:
+        return None
+    if variable in SECRET_VARS:
+        return MASK if value else ""
+    for pattern, replacement in _EMBEDDED_SECRETS:
+        value = pattern.sub(replacement, value)
+    return value
+
+
+def listing(environ: Mapping[str, str] | None = None) -> list[Setting]:
+    """Every variable :meth:`Settings.from_env` reads from ``environ`` (default: the process
+    environment), sorted by name: value, default and source, secrets masked. Raises
+    :class:`SettingsError` as ``from_env`` does."""
+    env = Env(os.environ if environ is None else environ)
+    Settings.from_env(env)
+    values = dict(os.environ if environ is None else environ)
+    return [
+        Setting(
+            variable=name,
+            value=masked(name, values.get(name, default)),
+            default=masked(name, default),
+            source="environment" if name in values else "default",
+            secret=name in SECRET_VARS,
+        )
+        for name, default in sorted((n, d or None) for n, d in env.defaults.items())
+    ]
 
 
 # --- Schema registry (issue 28) -----------------------------------------------------------
@@ -458,7 +546,7 @@ def _content_sample(env: Mapping[str, str]) -> int:
     """``BACKFILL_CONTENT_SAMPLE``: K, the decoded_content check decodes 1 record in K of a
     large hour (1: every record)."""
     name = "BACKFILL_CONTENT_SAMPLE"
-    raw = env.get(name) or "16"
+    raw = env.get(name, "16") or "16"
     try:
         k = int(raw)
     except ValueError:
@@ -486,7 +574,7 @@ def _sensor_interval(env: Mapping[str, str]) -> int:
 
 
 def _int(env: Mapping[str, str], name: str, default: int, zero_ok: bool = False) -> int:
-    raw = env.get(name)
+    raw = env.get(name, str(default))
     if raw is None or raw == "":
         return default
     try:
@@ -516,7 +604,7 @@ _SPARK_CONF_OWNED = {
 
 def _memory(env: Mapping[str, str], name: str, default: str | None) -> str | None:
     """A JVM memory size as Spark reads it (``512m``, ``4g``; a bare number is bytes)."""
-    raw = env.get(name, "").strip()
+    raw = env.get(name, default or "").strip()
     if not raw:
         return default
     if not _MEMORY.fullmatch(raw):
@@ -650,7 +738,7 @@ def default_master(max_records_per_s: int) -> str:
 
 def _run_executor(env: Mapping[str, str]) -> RunExecutor:
     name = "BACKFILL_RUN_EXECUTOR"
-    raw = env.get(name, "").strip().lower().replace("-", "_") or "in_process"
+    raw = env.get(name, "in_process").strip().lower().replace("-", "_") or "in_process"
     _choice(name, raw, ("in_process", "multiprocess"))
     return raw  # type: ignore[return-value]  # validated by _choice above
 
@@ -690,7 +778,7 @@ def _fault_point(env: Mapping[str, str]) -> str | None:
 
 
 def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env.get(name)
+    raw = env.get(name, "on" if default else "off")
     if raw is None or raw == "":
         return default
     if raw.lower() in ("on", "true", "1", "yes"):

@@ -57,6 +57,7 @@ def test_every_command_is_there() -> None:
         "quarantine",
         "report-empty",
         "rollback",
+        "settings",
         "stack",
     ]
 

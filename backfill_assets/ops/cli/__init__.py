@@ -3,21 +3,25 @@
 Every failure the project anticipates (a :class:`~backfill_assets.errors.BackfillError`)
 prints ``error: <message>`` on stderr, saying what to run next, and exits with the status of
 its ``kind`` (:class:`~.common.Exit`): 2 wrong arguments or settings (as click's usage errors),
-3 a service unavailable, 4 refused or failed.
+3 a service unavailable, 4 refused or failed. Anything else is a bug or a failure nobody
+anticipated: one line naming it and exit 5 (the traceback with ``--debug``); Ctrl-C exits 130.
 ``--json`` on every command prints exactly one JSON document on stdout and nothing else there;
 progress bars and notes always go to stderr (:mod:`.output`).
 
 This package holds the root group and :func:`main`; the commands are in one module per group
 (:mod:`.stack`, :mod:`.backfill`, :mod:`.rollback`, :mod:`.upkeep`, :mod:`.adopt`,
-:mod:`.accept`, :mod:`.quarantine`, :mod:`.columns`), what they share in :mod:`.common` and
-all rendering in :mod:`.output`. All click and rich code of the project is in this package;
-the library reports progress through plain callbacks.
+:mod:`.accept`, :mod:`.quarantine`, :mod:`.columns`, :mod:`.settings`), what they share in
+:mod:`.common` and all rendering in :mod:`.output`. All click and rich code of the project is
+in this package; the library reports progress through plain callbacks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import sys
+import traceback
 import warnings
 from collections.abc import Iterator, Mapping
 from importlib import metadata
@@ -35,6 +39,7 @@ from backfill_assets.ops.cli import (
     columns,
     quarantine,
     rollback,
+    settings,
     stack,
     upkeep,
 )
@@ -106,12 +111,13 @@ def dagster_home_defaults(
 
 
 @contextlib.contextmanager
-def _dagster_home() -> Iterator[None]:
-    """:func:`dagster_home_defaults` in ``os.environ`` while a command runs, then as before."""
+def _dagster_home() -> Iterator[frozenset[str]]:
+    """:func:`dagster_home_defaults` in ``os.environ`` while a command runs, then as before;
+    yields the names of the variables it set."""
     defaults = dagster_home_defaults(os.environ)
     os.environ.update(defaults)
     try:
-        yield
+        yield frozenset(defaults)
     finally:
         for name in defaults:
             os.environ.pop(name, None)
@@ -132,8 +138,13 @@ def _version() -> str:
 @click.version_option(
     _version(), "--version", prog_name="backfill-assets", message="%(prog)s %(version)s"
 )
+@click.option(
+    "--debug",
+    is_flag=True,
+    help="Show the traceback of an unexpected error (exit status 5) instead of one line.",
+)
 @click.pass_context
-def cli(ctx: click.Context) -> None:
+def cli(ctx: click.Context, debug: bool) -> None:
     """Safe Kafka -> Iceberg backfills with Dagster.
 
     The Dagster instance is $DAGSTER_HOME's; when it is unset, the current directory's or else
@@ -143,15 +154,17 @@ def cli(ctx: click.Context) -> None:
     Exit status:
       0  done
       1  the command's answer is no: a red score in `plan`, gaps due in `gaps`, a broker that
-         does not answer `kafka status`
+         does not answer `kafka status`, a component down in `stack status`
       2  wrong arguments or settings; the message says what is allowed
       3  a service is unavailable: Kafka, the local stack, the catalog or the webserver did
          not answer; run again once it is back
       4  refused or failed: a check or a guard refused (e.g. a rollback that would discard
          later publishes, or `gaps` of a topic deleted and recreated that awaits `adopt`),
          or a run, a backfill or a maintenance step failed
+      5  an unexpected error (a bug): one line names it; --debug shows the traceback
+      130  interrupted (Ctrl-C)
     """
-    ctx.with_resource(_dagster_home())
+    ctx.meta[settings.CLI_SET] = ctx.with_resource(_dagster_home())
 
 
 for _command in (
@@ -173,6 +186,7 @@ for _command in (
     accept.accept_command,
     quarantine.quarantine_command,
     columns.columns_command,
+    settings.settings_command,
 ):
     cli.add_command(_command)
 
@@ -182,12 +196,43 @@ def main(argv: list[str] | None = None) -> int:
     # Dagster flags beta parameters (backfill_policy) on every load; operators need not see it.
     warnings.filterwarnings("ignore", category=dg.BetaWarning)
     warnings.filterwarnings("ignore", category=dg.PreviewWarning)
+    args = sys.argv[1:] if argv is None else argv
     try:
-        result = cli.main(args=argv, prog_name="backfill-assets", standalone_mode=False)
+        result = cli.main(args=args, prog_name="backfill-assets", standalone_mode=False)
     except click.ClickException as exc:
         exc.show()
         return exc.exit_code
-    except click.Abort:
+    except click.Abort as exc:
+        # click turns Ctrl-C (KeyboardInterrupt) anywhere in a command into Abort.
+        if isinstance(exc.__cause__, KeyboardInterrupt):
+            return _interrupted()
         click.echo("aborted", err=True)
         return Exit.NOT_OK
+    except KeyboardInterrupt:
+        return _interrupted()
+    except Exception as exc:  # the one place an error no code anticipated is reported
+        return unexpected(exc, debug=_debug(args))
     return int(result or 0)
+
+
+def _interrupted() -> int:
+    click.echo("interrupted (Ctrl-C)", err=True)
+    return Exit.INTERRUPTED
+
+
+def _debug(args: list[str]) -> bool:
+    """Whether ``--debug`` is among the root group's options (the arguments before the
+    command's name; the group's options take no values)."""
+    return "--debug" in itertools.takewhile(lambda arg: arg.startswith("-"), args)
+
+
+def unexpected(exc: BaseException, *, debug: bool) -> int:
+    """Report an error no code anticipated: its traceback with ``--debug``, then one line
+    naming it (its type and the first line of its message); exit status 5."""
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    lines = str(exc).strip().splitlines()
+    name = type(exc).__name__ + (f": {lines[0]}" if lines else "") + (" ..." if lines[1:] else "")
+    hint = "" if debug else "; re-run with --debug for the traceback"
+    click.echo(f"error: unexpected error: {name}{hint}", err=True)
+    return Exit.UNEXPECTED

@@ -36,6 +36,8 @@ class Exit(enum.IntEnum):
     USAGE = 2  # wrong arguments or settings (click's own status for wrong arguments)
     UNAVAILABLE = 3  # Kafka, the local stack, the catalog or the webserver did not answer
     FAILED = 4  # a check or a guard refused, or a run, a backfill or a step failed
+    UNEXPECTED = 5  # an error the project does not anticipate (a bug): one line; --debug shows it
+    INTERRUPTED = 130  # Ctrl-C (SIGINT), as shells report a process it stopped
 
 
 def with_ui(fn: Callable[..., int]) -> Callable[..., int]:

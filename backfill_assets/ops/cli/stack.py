@@ -125,7 +125,9 @@ def stack_command(ui: Ui, settings: Settings, action: str, cdc: bool) -> int:
     BACKFILL_SCHEMA_REGISTRY_URL names one; port BACKFILL_SCHEMA_REGISTRY_PORT), and the Spark
     Connect server that runs reach when BACKFILL_SPARK_CONNECT names it (port
     BACKFILL_SPARK_CONNECT_PORT); with ``--cdc``, the CDC source too (``down`` stops it
-    whenever it runs)."""
+    whenever it runs). ``status`` exits 1 when a component ``up`` would start (with ``--cdc``:
+    the CDC source too) is down or not answering, or the registry that
+    BACKFILL_SCHEMA_REGISTRY_URL names does not answer."""
     broker = LocalBroker(settings)
     server = LocalConnectServer(settings)
     if action == "down":
@@ -175,8 +177,37 @@ def stack_command(ui: Ui, settings: Settings, action: str, cdc: bool) -> int:
     cdc_doc = _cdc(ui, settings, action, wanted=cdc)
     if cdc_doc is not None:
         doc["cdc"] = cdc_doc
+    if action == "up":
+        ui.emit(doc)
+        return 0
+    doc["down"] = down = components_down(doc, cdc=cdc)
     ui.emit(doc)
-    return 0
+    if down:
+        up = "stack up --cdc" if cdc else "stack up"
+        ui.note(f"down: {', '.join(down)} (start it: `backfill-assets {up}`)")
+        return Exit.NOT_OK
+    return Exit.OK
+
+
+def components_down(doc: dict[str, Any], *, cdc: bool) -> list[str]:
+    """The components of a ``stack status`` document that are expected and not answering.
+    Expected: what ``stack up`` starts with these settings, i.e. the broker, the Spark Connect
+    server and the local schema registry, or instead the registry BACKFILL_SCHEMA_REGISTRY_URL
+    names (which must answer); with ``--cdc`` also the CDC source's Postgres and its Kafka
+    Connect worker. A CDC source that runs unasked is reported, never expected."""
+    down = []
+    if not doc["broker"]["responding"]:
+        down.append("broker")
+    if not doc["schema_registry"]["ready"]:
+        down.append("schema registry")
+    if not doc["spark_connect"]["responding"]:
+        down.append("spark connect")
+    if cdc:
+        if doc["cdc"]["postgres"]["pid"] is None:
+            down.append("cdc postgres")
+        if not doc["cdc"]["kafka_connect"]["ready"]:
+            down.append("kafka connect")
+    return down
 
 
 def _cdc(ui: Ui, settings: Settings, action: str, *, wanted: bool) -> dict[str, Any] | None:

@@ -1,0 +1,41 @@
+"""``settings``: every setting the package reads, its value, default and source."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import click
+
+from backfill_assets.ops.cli.common import with_ui
+from backfill_assets.ops.cli.output import Ui, row, table
+from backfill_assets.stack.settings import Settings, listing
+
+# The variables the command line itself sets while a command runs (DAGSTER_HOME unset and a
+# dagster.yaml found: backfill_assets.ops.cli.dagster_home_defaults); the root group keeps
+# their names in the click context's meta under this key.
+CLI_SET = "backfill_assets.cli_set"
+
+
+@click.command("settings")
+@with_ui
+def settings_command(ui: Ui, settings: Settings) -> int:
+    """List every setting the package reads: its environment variable, current value, default
+    and source (environment; default; cli: set by this command line from the dagster.yaml it
+    found). Secrets (passwords, keys, tokens, also inside URLs and BACKFILL_SPARK_CONF) are
+    never printed: `***` only says one is set. infra/README.md describes each setting."""
+    set_by_cli = click.get_current_context().meta.get(CLI_SET, ())
+    rows = [
+        {**asdict(s), "source": "cli" if s.variable in set_by_cli else s.source} for s in listing()
+    ]
+    out = table("variable", "value", "default", "source")
+    for doc in rows:
+        row(out, doc["variable"], _shown(doc["value"]), _shown(doc["default"]), doc["source"])
+    ui.table(out)
+    changed = sum(doc["source"] != "default" for doc in rows)
+    ui.line(f"{len(rows)} settings; {changed} set (environment or cli), the others default")
+    ui.emit({"settings": rows})
+    return 0
+
+
+def _shown(value: str | None) -> str:
+    return "(unset)" if value is None else value

@@ -1,0 +1,153 @@
+"""``backfill-assets settings``: every variable the package reads, from the parser's own reads
+(no second list), with its value, default and source; secrets never printed. In-process, no
+services."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from backfill_assets.ops import cli
+from backfill_assets.stack.settings import REPO_ROOT, SECRET_VARS, listing
+
+PACKAGE = REPO_ROOT / "backfill_assets"
+# Names that look like variables in the package's source but are Python constants or words in
+# a message, never read from the environment.
+NOT_VARIABLES = {
+    "BACKFILL_POLICY",  # defs/assets.py: the assets' Dagster BackfillPolicy
+    "BACKFILL_TAG",  # ops/planner.py: Dagster's backfill run tag
+    "BACKFILL_ID",  # "--backfill BACKFILL_ID" in an error message
+}
+# One planted secret per way a secret reaches a value: its own variable, a URL's password,
+# Spark Connect's token parameter, a secret key of BACKFILL_SPARK_CONF.
+SECRET = "s3cr3t-Pl4nted"
+SECRETS_ENV = {
+    **dict.fromkeys(SECRET_VARS, SECRET),
+    "BACKFILL_CATALOG_URI": f"postgresql+psycopg2://lake:{SECRET}@db.internal:5432/catalog",
+    "BACKFILL_SCHEMA_REGISTRY_URL": f"https://reader:{SECRET}@registry.internal/apis/ccompat/v7",
+    "BACKFILL_SPARK_CONNECT": f"sc://spark.internal:15002/;token={SECRET};user_id=lake",
+    "BACKFILL_SPARK_CONF": json.dumps(
+        {"spark.hadoop.fs.s3a.secret.key": SECRET, "spark.executor.instances": "4"}
+    ),
+}
+
+
+def _package_variables() -> set[str]:
+    """Every BACKFILL_* name in the package's files (a prefix such as BACKFILL_KAFKA_* left
+    out), as grep finds them."""
+    names: set[str] = set()
+    for path in PACKAGE.rglob("*"):
+        if path.is_file() and path.suffix in {".py", ".yaml", ".yml", ".properties", ".sh"}:
+            names.update(re.findall(r"\bBACKFILL_[A-Z0-9_]*[A-Z0-9]\b(?![_*])", path.read_text()))
+    return names - NOT_VARIABLES
+
+
+def test_every_variable_the_package_names_is_listed() -> None:
+    listed = {s.variable for s in listing({})}
+    found = _package_variables()
+    assert len(found) > 50
+    assert found <= listed, sorted(found - listed)
+    # Read through a prefix ("BACKFILL_MAINTENANCE_" + ...), so grep alone misses them.
+    assert "BACKFILL_MAINTENANCE_ORPHAN_RETENTION_HOURS" in listed
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"} <= listed
+
+
+def test_every_listed_variable_is_documented() -> None:
+    doc = (REPO_ROOT / "infra" / "README.md").read_text()
+    assert [s.variable for s in listing({}) if f"`{s.variable}`" not in doc] == []
+
+
+def test_values_defaults_and_sources(tmp_path: Path) -> None:
+    rows = {
+        s.variable: s
+        for s in listing({"BACKFILL_HOME": str(tmp_path), "BACKFILL_KAFKA_PORT": "29092"})
+    }
+    home = rows["BACKFILL_HOME"]
+    assert (home.value, home.source) == (str(tmp_path), "environment")
+    port = rows["BACKFILL_KAFKA_PORT"]
+    assert (port.value, port.default, port.source) == ("29092", "19092", "environment")
+    # A default that follows other settings is the one the parser would use with them.
+    assert rows["BACKFILL_KAFKA_CONTROLLER_PORT"].default == "29093"
+    assert rows["BACKFILL_JAR_CACHE"].default == str(tmp_path.resolve() / "jars")
+    shuffle = rows["BACKFILL_SPARK_SHUFFLE_PARTITIONS"]
+    assert (shuffle.value, shuffle.default, shuffle.source) == ("4", "4", "default")
+    assert rows["BACKFILL_SPARK_CDS"].default == "on"
+    unset = rows["BACKFILL_SPEC"]
+    assert (unset.value, unset.default, unset.source) == (None, None, "default")
+
+
+def test_secrets_never_appear(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setenv("BACKFILL_HOME", str(tmp_path))
+    for name, value in SECRETS_ENV.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["settings"]) == 0
+    text, err = capsys.readouterr()
+    assert cli.main(["settings", "--json"]) == 0
+    doc_text, json_err = capsys.readouterr()
+    for out in (text, err, doc_text, json_err):
+        assert SECRET not in out
+    rows = {row["variable"]: row for row in json.loads(doc_text)["settings"]}
+    for name in SECRET_VARS:
+        assert rows[name] == {
+            "variable": name,
+            "value": "***",
+            "default": None,
+            "source": "environment",
+            "secret": True,
+        }
+    assert rows["BACKFILL_CATALOG_URI"]["value"] == (
+        "postgresql+psycopg2://lake:***@db.internal:5432/catalog"
+    )
+    assert rows["BACKFILL_SPARK_CONNECT"]["value"] == (
+        "sc://spark.internal:15002/;token=***;user_id=lake"
+    )
+    assert json.loads(rows["BACKFILL_SPARK_CONF"]["value"]) == {
+        "spark.hadoop.fs.s3a.secret.key": "***",
+        "spark.executor.instances": "4",
+    }
+
+
+def test_the_table_and_the_json_list_the_same_settings(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setenv("BACKFILL_HOME", str(tmp_path))
+    monkeypatch.setenv("BACKFILL_SENSORS", "off")
+    assert cli.main(["settings", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["settings"]
+    assert [r["variable"] for r in rows] == sorted(r["variable"] for r in rows)
+    assert cli.main(["settings"]) == 0
+    out = capsys.readouterr().out
+    for row in rows:
+        assert row["variable"] in out
+    assert re.search(r"BACKFILL_SENSORS\s+off\s+on\s+environment", out)
+    assert re.search(rf"\n{len(rows)} settings; [1-9][0-9]* set \(environment or cli\)", out)
+
+
+def test_a_variable_the_cli_sets_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """DAGSTER_HOME unset and a dagster.yaml found: the CLI sets BACKFILL_DAGSTER_STORAGE."""
+    (tmp_path / "dagster.yaml").write_text("{}\n")
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    monkeypatch.delenv("BACKFILL_DAGSTER_STORAGE", raising=False)
+    monkeypatch.setenv("BACKFILL_HOME", str(tmp_path / "state"))
+    monkeypatch.setattr(cli, "dagster_home_dirs", lambda: (tmp_path,))
+    assert cli.main(["settings", "--json"]) == 0
+    rows = {r["variable"]: r for r in json.loads(capsys.readouterr().out)["settings"]}
+    storage = rows["BACKFILL_DAGSTER_STORAGE"]
+    assert (storage["value"], storage["source"]) == (str(tmp_path / "state" / "dagster"), "cli")
+
+
+def test_an_invalid_setting_exits_2_naming_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("BACKFILL_SPARK_SHUFFLE_PARTITIONS", "many")
+    assert cli.main(["settings"]) == 2
+    assert "BACKFILL_SPARK_SHUFFLE_PARTITIONS='many' is not a whole number" in (
+        capsys.readouterr().err
+    )
