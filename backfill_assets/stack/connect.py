@@ -91,6 +91,11 @@ class ConnectStatus:
         return " ".join(parts)
 
 
+# The variable the Spark Connect server reads its pre-shared token from (spark.connect.
+# authenticate.token's environment form): clients must send it as a bearer header.
+TOKEN_ENV = "SPARK_CONNECT_AUTHENTICATE_TOKEN"
+
+
 class LocalConnectServer(process.Server[ConnectStatus]):
     """A Spark Connect server on 127.0.0.1 whose state lives in ``<home>/connect``."""
 
@@ -120,7 +125,7 @@ class LocalConnectServer(process.Server[ConnectStatus]):
         """The server's Spark settings (secrets included: never log them)."""
         conf = {k: v for k, v in spark.spark_config(self.settings).items() if k not in _CLIENT_ONLY}
         conf["spark.app.name"] = "backfill_assets Spark Connect server"
-        conf["spark.connect.grpc.binding.address"] = "127.0.0.1"
+        conf["spark.connect.grpc.binding.address"] = self.settings.spark_connect_bind
         conf["spark.connect.grpc.binding.port"] = str(self.port)
         return conf
 
@@ -148,7 +153,9 @@ class LocalConnectServer(process.Server[ConnectStatus]):
         ]
 
     def env(self) -> dict[str, str]:
-        return {
+        """The server's environment. The pre-shared token travels here (Spark reads
+        ``SPARK_CONNECT_AUTHENTICATE_TOKEN``), never in its command line or properties file."""
+        env = {
             **os.environ,
             "SPARK_HOME": str(spark_home()),
             # The Python of UDFs (mapInPandas, pandera) is the server's PYSPARK_PYTHON, not a
@@ -156,6 +163,10 @@ class LocalConnectServer(process.Server[ConnectStatus]):
             "PYSPARK_PYTHON": sys.executable,
             "SPARK_LOCAL_IP": "127.0.0.1",
         }
+        env.pop(TOKEN_ENV, None)
+        if self.settings.spark_connect_token:
+            env[TOKEN_ENV] = self.settings.spark_connect_token
+        return env
 
     def _write_properties(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -182,7 +193,11 @@ class LocalConnectServer(process.Server[ConnectStatus]):
 
     def status(self, timeout_s: float = 10.0) -> ConnectStatus:
         pid = self.running_pid()
-        version = spark.probe(self.url, timeout_s) if pid is not None else None
+        version = (
+            spark.probe(self.url, timeout_s, self.settings.spark_connect_token)
+            if pid is not None
+            else None
+        )
         return ConnectStatus(
             pid=pid,
             running=pid is not None,
@@ -199,7 +214,8 @@ class LocalConnectServer(process.Server[ConnectStatus]):
     def answers(self) -> bool:
         """Whether a client session works."""
         return (
-            spark.port_open("127.0.0.1", self.port, 1.0) and spark.probe(self.url, 10.0) is not None
+            spark.port_open("127.0.0.1", self.port, 1.0)
+            and spark.probe(self.url, 10.0, self.settings.spark_connect_token) is not None
         )
 
     def log_tail(self, lines: int = 15) -> str:

@@ -241,6 +241,11 @@ class Settings:
     # ``stack up`` starts (BACKFILL_SPARK_CONNECT_PORT).
     spark_connect: str | None = None
     spark_connect_port: int = 15002
+    # The address the local server binds (BACKFILL_SPARK_CONNECT_BIND), and the pre-shared token
+    # it requires and clients send as a bearer header (BACKFILL_SPARK_CONNECT_TOKEN, a secret;
+    # None: no token).
+    spark_connect_bind: str = "127.0.0.1"
+    spark_connect_token: str | None = None
     # Schema registry (issue 28): a Confluent-API registry's URL (BACKFILL_SCHEMA_REGISTRY_URL;
     # None: the local one ``stack up`` starts on 127.0.0.1:BACKFILL_SCHEMA_REGISTRY_PORT).
     schema_registry_url_setting: str | None = None
@@ -339,6 +344,8 @@ class Settings:
             run_executor=_run_executor(env),
             spark_connect=_spark_connect(env),
             spark_connect_port=_port(env, "BACKFILL_SPARK_CONNECT_PORT", 15002),
+            spark_connect_bind=_bind(env, "BACKFILL_SPARK_CONNECT_BIND", "127.0.0.1"),
+            spark_connect_token=env.get("BACKFILL_SPARK_CONNECT_TOKEN") or None,
             schema_registry_url_setting=_schema_registry_url(env),
             schema_registry_port=_port(env, "BACKFILL_SCHEMA_REGISTRY_PORT", 18081),
             cdc_postgres_port=_port(env, "BACKFILL_CDC_POSTGRES_PORT", 15432),
@@ -352,6 +359,7 @@ class Settings:
 SECRET_VARS = (
     "BACKFILL_KAFKA_SASL_PASSWORD",
     "BACKFILL_CATALOG_JDBC_PASSWORD",
+    "BACKFILL_SPARK_CONNECT_TOKEN",
     "AWS_ACCESS_KEY_ID",
     "AWS_SECRET_ACCESS_KEY",
 )
@@ -486,6 +494,18 @@ def _spark_connect(env: Mapping[str, str]) -> str | None:
             "or unset for in-process Spark"
         )
     return raw
+
+
+def _bind(env: Mapping[str, str], name: str, default: str) -> str:
+    """An IPv4 address to bind (``0.0.0.0``: every interface)."""
+    value = (env.get(name, default) or default).strip()
+    parts = value.split(".")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) < 256 for p in parts):
+        raise SettingsError(
+            f"{name}={value!r} is not an IPv4 address to bind (e.g. 127.0.0.1, or 0.0.0.0 for "
+            "every interface)"
+        )
+    return value
 
 
 def _port(env: Mapping[str, str], name: str, default: int) -> int:

@@ -10,7 +10,7 @@ import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from backfill_assets.errors import SparkConnectError
 from backfill_assets.stack import catalog, cds, jars
@@ -254,7 +254,7 @@ def check_connect(settings: Settings, timeout_s: float = 5.0) -> str:
     this process to Spark Connect; :class:`SparkConnectError` if it does not answer."""
     url = settings.spark_connect
     assert url is not None
-    version = probe(url, timeout_s)
+    version = probe(url, timeout_s, settings.spark_connect_token)
     if version is None:
         host, port = endpoint(url)
         raise SparkConnectError(
@@ -286,7 +286,7 @@ def connect_session(
                 "local server (`backfill-assets stack up`) or fix the URL; unset it for "
                 "in-process Spark"
             )
-        session = SparkSession.builder.remote(url).create()
+        session = remote_builder(SparkSession.builder, url, settings.spark_connect_token).create()
         client = session.client
         policies = client.get_retry_policies()
         client.set_retry_policies([quick_retries(timeout_s)])
@@ -312,17 +312,18 @@ def connect_session(
     return session
 
 
-def probe(url: str, timeout_s: float) -> str | None:
+def probe(url: str, timeout_s: float, token: str | None = None) -> str | None:
     """The Spark version a Spark Connect endpoint reports, or None if it does not answer
-    within about ``timeout_s``. Uses the Connect client's own session class, so the process
-    is not switched to Connect mode (a classic session in it keeps working)."""
+    within about ``timeout_s`` (or refuses the client: a wrong or missing ``token``). Uses the
+    Connect client's own session class, so the process is not switched to Connect mode (a
+    classic session in it keeps working)."""
     from pyspark.sql.connect.client.retries import DefaultPolicy
     from pyspark.sql.connect.session import SparkSession as RemoteSession
 
     host, port = endpoint(url)
     if not port_open(host, port, min(timeout_s, 3.0)):
         return None
-    session = RemoteSession.builder.remote(url).create()
+    session = remote_builder(RemoteSession.builder, url, token).create()
     try:
         session.client.set_retry_policies([quick_retries(timeout_s)])
         return str(session.version)
@@ -332,6 +333,24 @@ def probe(url: str, timeout_s: float) -> str | None:
         with contextlib.suppress(Exception):  # a probe never fails on its own clean-up
             session.client.set_retry_policies([DefaultPolicy(max_retries=0)])
             session.stop()
+
+
+def remote_builder(builder: Any, url: str, token: str | None) -> Any:
+    """``builder`` (a Spark Connect session builder) aimed at ``url``; with ``token``, every
+    request carries it as ``authorization: Bearer <token>``, the header the server's
+    pre-shared-token check reads. The channel stays plaintext: pyspark sends a ``token=``
+    URL parameter only over TLS (or to ``localhost``), and the server that ``stack up``
+    starts speaks no TLS, so beyond one host a TLS-terminating proxy carries it
+    (infra/README.md)."""
+    if token is None:
+        return builder.remote(url)
+    from pyspark.sql.connect.client import DefaultChannelBuilder
+
+    class _Bearer(DefaultChannelBuilder):
+        def metadata(self) -> Any:
+            return [*super().metadata(), ("authorization", f"Bearer {token}")]
+
+    return builder.channelBuilder(_Bearer(url))
 
 
 def quick_retries(timeout_s: float) -> DefaultPolicy:

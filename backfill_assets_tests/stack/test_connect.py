@@ -120,10 +120,16 @@ class Server:
     server: LocalConnectServer
 
 
+# The session's server requires this pre-shared token: every run over Connect here sends it.
+TOKEN = f"t-{uuid.uuid4().hex}"
+
+
 @pytest.fixture(scope="session")
 def connect_server(stack_settings: Settings) -> Iterator[Server]:
-    """One local Spark Connect server on the test stack, on a free port."""
-    settings = dataclasses.replace(stack_settings, spark_connect_port=services.free_port())
+    """One local Spark Connect server on the test stack, on a free port, requiring a token."""
+    settings = dataclasses.replace(
+        stack_settings, spark_connect_port=services.free_port(), spark_connect_token=TOKEN
+    )
     server = LocalConnectServer(settings)
     status = server.start()
     try:
@@ -134,7 +140,7 @@ def connect_server(stack_settings: Settings) -> Iterator[Server]:
 
 
 def _child(url: str, topic: str, *assets: str, script: str = CHILD) -> dict[str, Any]:
-    env = {**os.environ, "BACKFILL_SPARK_CONNECT": url}
+    env = {**os.environ, "BACKFILL_SPARK_CONNECT": url, "BACKFILL_SPARK_CONNECT_TOKEN": TOKEN}
     proc = subprocess.run(
         [sys.executable, "-c", script, topic, *assets],
         env=env,
@@ -166,6 +172,27 @@ def test_server_properties_are_private_and_bound_to_loopback(connect_server: Ser
     assert "spark.driver.memory" not in props and "spark.pyspark.driver.python" not in props
     assert connect_server.server.status().responding
     assert Path(connect_server.server.log_path).parent.name == "logs"
+
+
+def test_a_client_without_the_token_is_refused_and_the_token_stays_hidden(
+    connect_server: Server,
+) -> None:
+    """The server requires its pre-shared token: a client without it, or with another, gets
+    no answer; with it, a query runs. The token is in none of: the server's command line, its
+    properties file, its log, ``stack status``."""
+    from backfill_assets.stack import spark
+
+    server = connect_server.server
+    assert spark.probe(server.url, 5.0) is None
+    assert spark.probe(server.url, 5.0, token="wrong") is None
+    assert spark.probe(server.url, 5.0, token=TOKEN) is not None
+    pid = server.running_pid()
+    assert pid is not None
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    assert TOKEN.encode() not in cmdline
+    assert TOKEN not in server.conf_path.read_text()
+    assert TOKEN not in server.log_tail(500)
+    assert TOKEN not in server.status().describe()
 
 
 # slow tier (CI runs it): ~55 s; the cluster tier runs test_exactness over Connect as well.
