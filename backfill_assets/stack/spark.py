@@ -272,7 +272,6 @@ def connect_session(
     process), reused within the process per URL like the classic session. Raises
     :class:`SparkConnectError` naming the setting within about ``timeout_s`` when the
     endpoint does not answer (the client's own retries would wait about 10 minutes)."""
-    from pyspark.sql import SparkSession
 
     url = settings.spark_connect
     assert url is not None
@@ -286,7 +285,7 @@ def connect_session(
                 "local server (`backfill-assets stack up`) or fix the URL; unset it for "
                 "in-process Spark"
             )
-        session = remote_builder(SparkSession.builder, url, settings.spark_connect_token).create()
+        session = _remote_session(url, settings.spark_connect_token)
         client = session.client
         policies = client.get_retry_policies()
         client.set_retry_policies([quick_retries(timeout_s)])
@@ -333,6 +332,21 @@ def probe(url: str, timeout_s: float, token: str | None = None) -> str | None:
         with contextlib.suppress(Exception):  # a probe never fails on its own clean-up
             session.client.set_retry_policies([DefaultPolicy(max_retries=0)])
             session.stop()
+
+
+def _remote_session(url: str, token: str | None) -> Any:
+    """A Spark Connect session for this process's work (the process switches to Connect mode,
+    as ``SparkSession.builder.remote`` switches it)."""
+    from pyspark.sql import SparkSession
+
+    if token is None:
+        return SparkSession.builder.remote(url).create()
+    from pyspark.sql.connect.session import SparkSession as RemoteSession
+
+    # What pyspark's remote() does before it creates the session: functions and columns are
+    # Connect's from now on in this process.
+    os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"
+    return remote_builder(RemoteSession.builder, url, token).create()
 
 
 def remote_builder(builder: Any, url: str, token: str | None) -> Any:
