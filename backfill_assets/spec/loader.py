@@ -83,6 +83,8 @@ def _with_registry_columns(entry: Any) -> Any:
         return entry
     if entry.get("format") not in REGISTRY_FORMATS or not isinstance(entry.get("topic"), str):
         return entry
+    if entry.get("envelope") is not None:  # the subject's schema is the envelope, not the row
+        return entry
     subject = entry.get("subject") or f"{entry['topic']}-value"
     message = entry.get("message")
     columns = registry_columns.derive_columns(

@@ -310,7 +310,7 @@ def _binary_fields(spec: TopicSpec) -> None:
         "lacks NULL, int32 widened to bigint, float to double)",
     }[spec.format]
     decimals = [c.name for c in spec.columns if decimal_of(c.type) is not None]
-    if decimals:
+    if decimals and spec.envelope is None:
         raise ValueError(f"columns: an {spec.format} topic has no decimal columns yet: {decimals}")
     for name in ("version_field", "upcasters", "decoders"):
         if getattr(spec, name):
@@ -356,15 +356,17 @@ def _cdc_fields(spec: TopicSpec) -> None:
     """Raise unless a Debezium topic's fields agree (docs/cdc.md)."""
     if spec.envelope is None:
         raise ValueError("schemas: only a topic with `envelope: debezium` names its schemas mode")
-    if spec.schemas is None:
+    if spec.format == "avro":
+        _cdc_avro_fields(spec)
+    elif spec.format != "json":
+        raise ValueError(
+            "envelope: debezium reads Kafka's JSON converter (format: json) or Avro through "
+            "the schema registry (format: avro)"
+        )
+    elif spec.schemas is None:
         raise ValueError(
             "schemas: a Debezium topic says how its converter writes: `embedded` "
             "(schemas.enable=true) or `none`"
-        )
-    if spec.format != "json":
-        raise ValueError(
-            "envelope: debezium reads Kafka's JSON converter (format: json); Avro through the "
-            "schema registry is not supported yet"
         )
     for name in ("version_field", "upcasters", "decoders"):
         if getattr(spec, name):
@@ -388,6 +390,26 @@ def _cdc_fields(spec: TopicSpec) -> None:
             "current: a Debezium topic's current state orders by the source's log position "
             "(cdc_lsn, then the Kafka offset) and deletes on op d; order_by and deleted_when "
             "cannot be set"
+        )
+
+
+def _cdc_avro_fields(spec: TopicSpec) -> None:
+    """Raise unless a Debezium avro topic's fields agree: no schemas mode (the schemas are the
+    registry's), and columns of the types the Avro envelope is read as (docs/cdc.md)."""
+    if spec.schemas is not None:
+        raise ValueError(
+            "schemas: a Debezium avro topic's schemas are in the registry; leave schemas out"
+        )
+    readable = ("string", "bigint", "int", "boolean", "timestamp")
+    other = [
+        c.name
+        for c in spec.columns
+        if c.name not in CDC_NAMES and c.type not in readable and decimal_of(c.type) is None
+    ]
+    if other:
+        raise ValueError(
+            f"columns: a Debezium avro topic reads string, bigint, int, boolean, decimal(p,s) "
+            f"(decimal.handling.mode=string) and timestamp (a ZonedTimestamp) columns: {other}"
         )
 
 
@@ -432,13 +454,14 @@ class TopicSpec(_Spec):
     )
     envelope: Literal["debezium"] | None = Field(
         default=None,
-        description="debezium: each value is a Debezium change event (Kafka's JSON converter); "
+        description="debezium: each value is a Debezium change event (format json: Kafka's JSON "
+        "converter; format avro: Avro through the schema registry, keys too); "
         "the columns are the source table's, read from `after` (the key from `before` for a "
         "delete), and the CDC_COLUMNS are added (docs/cdc.md)",
     )
     schemas: Literal["embedded", "none"] | None = Field(
         default=None,
-        description="envelope debezium: `embedded` when keys and values are "
+        description="envelope debezium, format json: `embedded` when keys and values are "
         '`{"schema": ..., "payload": ...}` (converter schemas.enable=true), `none` when they '
         "are the bare JSON",
     )

@@ -4,7 +4,8 @@ API.
 
 Every piece comes from a package registry: Postgres from Debian (stack/postgres.py), Kafka
 Connect's runtime and JSON converter and Debezium's connector from Maven Central (the
-``kafka-connect`` jar set, maven/kafka-connect/pom.xml), run on one plain classpath.
+``kafka-connect`` jar set, maven/kafka-connect/pom.xml) with Apicurio Registry's Avro converter
+(the ``kafka-connect-avro`` set), run on one plain classpath.
 
 * :class:`ConnectWorker`: one distributed-mode worker (``ConnectDistributed``; its connectors,
   offsets and statuses live in three compacted topics of the broker, so a restarted worker
@@ -12,7 +13,8 @@ Connect's runtime and JSON converter and Debezium's connector from Maven Central
   state under ``<BACKFILL_HOME>/kafka-connect``. ``stop`` signals only the PID it started
   (checked against the process command line).
 * :func:`debezium_postgres`: a connector's configuration (pgoutput, its own slot and filtered
-  publication, decimals as strings, the JSON converter with or without schemas). The database
+  publication, decimals as strings, the JSON converter with or without schemas, or Avro through
+  the schema registry in Confluent's wire format). The database
   password stays out of the connector's configuration (and so out of the broker's config topic
   and the REST API): the worker reads it from a 0600 file through Kafka's FileConfigProvider.
 * :class:`CdcSource`: the Postgres (port BACKFILL_CDC_POSTGRES_PORT, under
@@ -39,11 +41,15 @@ from typing import Any
 from backfill_assets.errors import CdcError, JarResolutionError
 from backfill_assets.stack import jars, process
 from backfill_assets.stack.postgres import LOGICAL_DECODING, LocalPostgres, PgServer
-from backfill_assets.stack.settings import Settings
+from backfill_assets.stack.settings import CCOMPAT_PATH, Settings
 
 CONNECT_MAIN = "org.apache.kafka.connect.cli.ConnectDistributed"
 POSTGRES_CONNECTOR = "io.debezium.connector.postgresql.PostgresConnector"
 JSON_CONVERTER = "org.apache.kafka.connect.json.JsonConverter"
+# Apicurio Registry's Avro converter (jar set kafka-connect-avro, the registry's 2.4.2.Final).
+AVRO_CONVERTER = "io.apicurio.registry.utils.converter.AvroConverter"
+# Apicurio's own REST API, which its serdes use, beside the Confluent-compatible one.
+APICURIO_API_PATH = "/apis/registry/v2"
 _LOG4J_CONFIG = Path(__file__).resolve().parent / "broker-log4j2.properties"
 # The worker group and its three internal topics (compacted; Connect creates them).
 GROUP_ID = "backfill-assets-cdc"
@@ -113,7 +119,14 @@ class ConnectWorker(process.Server[WorkerStatus]):
             )
         try:
             classpath = os.pathsep.join(
-                map(str, [*jars.jars(self.settings, "kafka-connect"), *self.extra_classpath])
+                map(
+                    str,
+                    [
+                        *jars.jars(self.settings, "kafka-connect"),
+                        *jars.jars(self.settings, "kafka-connect-avro"),
+                        *self.extra_classpath,
+                    ],
+                )
             )
         except JarResolutionError as exc:
             raise CdcError(str(exc)) from exc
@@ -328,6 +341,7 @@ def debezium_postgres(
     slot: str,
     schemas: bool,
     snapshot_mode: str = "initial",
+    avro_registry: str | None = None,
 ) -> dict[str, str]:
     """Debezium's Postgres connector for ``tables`` (``schema.table``) of ``source``: topics
     ``<topic_prefix>.<schema>.<table>``, the pgoutput plugin through replication slot ``slot``
@@ -335,8 +349,20 @@ def debezium_postgres(
     numeric values as decimal strings (``decimal.handling.mode=string``: exact, and readable
     without the column's scale), a tombstone after each delete, keys and values in Kafka's JSON
     converter with (``schemas``) or without the schema beside each payload. ``password_ref`` is
-    :meth:`ConnectWorker.secret`'s reference to the password."""
+    :meth:`ConnectWorker.secret`'s reference to the password.
+
+    With ``avro_registry`` (an Apicurio Registry's Confluent-compatible URL, as
+    BACKFILL_SCHEMA_REGISTRY_URL names the local one), keys and values are Avro instead, through
+    Apicurio's converter (:func:`avro_converter`); ``schemas`` is then not used."""
     converter = "true" if schemas else "false"
+    codec = {
+        "key.converter": JSON_CONVERTER,
+        "key.converter.schemas.enable": converter,
+        "value.converter": JSON_CONVERTER,
+        "value.converter.schemas.enable": converter,
+    }
+    if avro_registry is not None:
+        codec = {**avro_converter("key", avro_registry), **avro_converter("value", avro_registry)}
     return {
         "connector.class": POSTGRES_CONNECTOR,
         "tasks.max": "1",
@@ -358,10 +384,35 @@ def debezium_postgres(
         # broker's default partitions and replication factor.
         "topic.creation.default.partitions": "-1",
         "topic.creation.default.replication.factor": "-1",
-        "key.converter": JSON_CONVERTER,
-        "key.converter.schemas.enable": converter,
-        "value.converter": JSON_CONVERTER,
-        "value.converter.schemas.enable": converter,
+        **codec,
+    }
+
+
+def avro_converter(side: str, registry_url: str) -> dict[str, str]:
+    """A connector's ``<side>.converter`` (``key`` or ``value``) settings for Apicurio's Avro
+    converter writing Confluent's wire format: magic byte 0, a 4-byte schema id
+    (``as-confluent``: Apicurio's Legacy4ByteIdHandler), the id being the content id
+    (``use-id=contentId``), which is what the registry's Confluent-compatible API serves as a
+    schema id (``registry.ccompat.legacy-id-mode.enabled`` is false by default), no Apicurio
+    headers; each new schema registered whole (``dereference-schema``) under subject
+    ``<topic>-<side>`` (TopicIdStrategy).
+    ``registry_url`` is the Confluent-compatible URL (``.../apis/ccompat/v7``); the converter
+    talks to the same registry's own API (:data:`APICURIO_API_PATH`)."""
+    base = registry_url.rstrip("/")
+    if base.endswith(CCOMPAT_PATH):
+        base = base[: -len(CCOMPAT_PATH)]
+    prefix = f"{side}.converter"
+    return {
+        prefix: AVRO_CONVERTER,
+        f"{prefix}.apicurio.registry.url": base + APICURIO_API_PATH,
+        f"{prefix}.apicurio.registry.auto-register": "true",
+        f"{prefix}.apicurio.registry.as-confluent": "true",
+        f"{prefix}.apicurio.registry.use-id": "contentId",
+        f"{prefix}.apicurio.registry.headers.enabled": "false",
+        # One self-contained schema per version: without it, Apicurio registers each record
+        # field (Debezium's Source) as an artifact of its own that the envelope's schema
+        # references by name, which a reader of one schema id (Spark's from_avro) cannot parse.
+        f"{prefix}.apicurio.registry.dereference-schema": "true",
     }
 
 

@@ -25,8 +25,18 @@ MAVEN_DIR = Path(__file__).resolve().parent / "maven"
 # an s3:// warehouse/archive); s3proxy: the test tier's object store, never on Spark's classpath;
 # spark-formats: spark-avro and protobuf-java, for decoding schema-registry topics (in
 # spark.jars: from_avro; the udf jar's ProtobufRow); kafka-connect: the CDC source's Kafka
-# Connect worker with Debezium's Postgres connector (stack/cdc.py), never on Spark's classpath.
-JAR_SETS = ("kafka-broker", "spark", "spark-cloud", "s3proxy", "spark-formats", "kafka-connect")
+# Connect worker with Debezium's Postgres connector (stack/cdc.py), never on Spark's classpath;
+# kafka-connect-avro: Apicurio's Avro converter for that worker (beside kafka-connect, whose
+# Kafka and Jackson it uses), so Debezium can write Avro through the schema registry.
+JAR_SETS = (
+    "kafka-broker",
+    "spark",
+    "spark-cloud",
+    "s3proxy",
+    "spark-formats",
+    "kafka-connect",
+    "kafka-connect-avro",
+)
 _STAMP = ".resolved-pom.sha256"
 
 

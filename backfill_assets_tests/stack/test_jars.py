@@ -20,6 +20,7 @@ def test_second_resolution_does_nothing(stack_settings: Settings) -> None:
         "s3proxy": False,
         "spark-formats": False,
         "kafka-connect": False,
+        "kafka-connect-avro": False,
     }
     names = {p.name for p in jars.jars(stack_settings, "kafka-broker")}
     assert any(n.startswith("kafka_2.13-4.") for n in names)
@@ -43,6 +44,10 @@ def test_second_resolution_does_nothing(stack_settings: Settings) -> None:
     assert "s3proxy-4.1.0.jar" in s3proxy
     # jackson 3 from the imported BOM, not the 2.18 annotations s3proxy's own pom would give
     assert not any(n.startswith("jackson-annotations-2.18") for n in s3proxy)
+    # Apicurio's converter at the registry's version; Kafka and Jackson only from kafka-connect.
+    avro = {p.name for p in jars.jars(stack_settings, "kafka-connect-avro")}
+    assert "apicurio-registry-utils-converter-2.4.2.Final.jar" in avro
+    assert not any(n.startswith(("kafka-", "connect-", "jackson-")) for n in avro)
 
 
 def test_unresolved_cache_names_the_command(stack_settings: Settings, tmp_path: Path) -> None:

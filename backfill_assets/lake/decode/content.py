@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from backfill_assets.lake.decode import avro, debezium, json_schema, protobuf
+from backfill_assets.lake.decode import avro, debezium, debezium_avro, json_schema, protobuf
 from backfill_assets.spec.model import CDC_NAMES, ColumnSpec, TopicSpec, decimal_of
 from backfill_assets.spec.transforms import reference
 
@@ -219,7 +219,14 @@ class RecordDecoder:
         # An avro or protobuf topic's values: confluent-kafka's deserializer with its own
         # registry client.
         self.decode: avro.IndependentDecode | protobuf.IndependentDecode | None = None
-        if spec.format in ("avro", "protobuf"):
+        # A Debezium avro topic's envelope: decoded by its own IndependentDecode, then read by
+        # the envelope's rules (self.cdc) like a JSON one.
+        self.envelope: debezium_avro.IndependentDecode | None = None
+        if spec.format == "avro" and spec.envelope == "debezium":
+            if registry_url is None:
+                raise ValueError(f"topic {spec.topic!r} is avro: its decode needs a registry URL")
+            self.envelope = debezium_avro.IndependentDecode(spec, registry_url)
+        elif spec.format in ("avro", "protobuf"):
             if registry_url is None:
                 raise ValueError(
                     f"topic {spec.topic!r} is {spec.format}: its decode needs a registry URL"
@@ -264,8 +271,8 @@ class RecordDecoder:
             return QUARANTINED, f"record_too_large:{size}"
         key_text = _utf8(key)
         if value is None:
-            return self._tombstone(partition, offset, key_text)
-        if self.decode is not None:
+            return self._tombstone(partition, offset, key_text, key)
+        if self.decode is not None or self.envelope is not None:
             return self._decoded(partition, offset, value)
         payload = self._json(value)
         if isinstance(payload, str):
@@ -274,9 +281,15 @@ class RecordDecoder:
             return self._change(partition, offset, payload)
         return self._event(partition, offset, key_text, payload)
 
-    def _tombstone(self, partition: int, offset: int, key_text: str | None) -> Decoded:
-        """A tombstone: a row with its key (a Debezium key's field), if it has one."""
-        key = key_text if self.cdc is None else self.cdc.tombstone_key(key_text)
+    def _tombstone(
+        self, partition: int, offset: int, key_text: str | None, key_bytes: bytes | None
+    ) -> Decoded:
+        """A tombstone: a row with its key (a Debezium key's field, from its JSON or its
+        Avro), if it has one."""
+        if self.envelope is not None:
+            key = self.envelope.tombstone_key(key_bytes)
+        else:
+            key = key_text if self.cdc is None else self.cdc.tombstone_key(key_text)
         if key is None:
             return QUARANTINED, f"missing_or_invalid:{self.spec.key_field}"
         return ROW, _row_hash(partition, offset, True, self.packers, {self.spec.key_field: key})
@@ -312,10 +325,16 @@ class RecordDecoder:
         return _payload(body) if body else "invalid_json"  # the header alone: no JSON value
 
     def _decoded(self, partition: int, offset: int, value: bytes) -> Decoded:
-        """An avro or protobuf value, read by the topic's IndependentDecode."""
-        assert self.decode is not None
+        """An avro or protobuf value, read by the topic's IndependentDecode (a Debezium avro
+        envelope: then read as :meth:`_change` reads a JSON one)."""
         if not value:
             return QUARANTINED, "empty_value"
+        if self.envelope is not None:
+            payload = self.envelope(value)
+            if isinstance(payload, str):
+                return QUARANTINED, payload
+            return self._change(partition, offset, payload)
+        assert self.decode is not None
         row = self.decode(value)
         if isinstance(row, str):
             return QUARANTINED, row

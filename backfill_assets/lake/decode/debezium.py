@@ -149,11 +149,17 @@ def decode_stage(spec: TopicSpec, raw: DataFrame) -> tuple[DataFrame, list[str]]
         F.coalesce(has_before, F.lit(False)).alias("_has_before"),
         tombstone_key.alias("_tombstone_key"),
     )
-    return _rows(spec, df, kafka_cols), kafka_cols
+    version = F.lit(spec.latest_version).cast("int")
+    return rows(spec, df, kafka_cols, version, ["_invalid_json", "_object"]), kafka_cols
 
 
-def _rows(spec: TopicSpec, df: DataFrame, kafka_cols: list[str]) -> DataFrame:
-    """The spec's columns from the fields :func:`_reads` read."""
+def rows(
+    spec: TopicSpec, df: DataFrame, kafka_cols: list[str], version: Column, keep: list[str]
+) -> DataFrame:
+    """The spec's columns from the fields :func:`_reads` read (``_op``, ``_lsn``, ``_ts_ms``,
+    ``_source_ms``, ``_before_key``, ``_tombstone_key``, ``_a_<column>``, ``_t_<column>``),
+    with ``version`` as ``schema_version``, the ``keep`` columns and what :func:`rules` reads.
+    The JSON envelope's and the Avro one's (:mod:`.debezium_avro`) alike."""
     from pyspark.sql import functions as F
 
     from backfill_assets.spec.model import SPARK_TYPES
@@ -192,10 +198,9 @@ def _rows(spec: TopicSpec, df: DataFrame, kafka_cols: list[str]) -> DataFrame:
     )
     return df.select(
         *kafka_cols,
-        F.lit(spec.latest_version).cast("int").alias("schema_version"),
+        version.alias("schema_version"),
         *[values[c.name].cast(SPARK_TYPES[c.type]).alias(c.name) for c in spec.columns],
-        "_invalid_json",
-        "_object",
+        *keep,
         "_op",
         "_has_after",
         "_has_before",
@@ -207,11 +212,20 @@ def rules() -> list[tuple[Column, Column]]:
     the JSON rules, then :data:`REASONS`."""
     from pyspark.sql import functions as F
 
-    op = F.col("_op")
     return [
         (~F.is_valid_utf8(F.col("kafka_value").cast("string")), F.lit("invalid_utf8")),
         (F.col("_invalid_json"), F.lit("invalid_json")),
         (~F.col("_object"), F.lit("not_json_object")),
+        *envelope_rules(),
+    ]
+
+
+def envelope_rules() -> list[tuple[Column, Column]]:
+    """:data:`REASONS` as conditions over :func:`rows`' frame."""
+    from pyspark.sql import functions as F
+
+    op = F.col("_op")
+    return [
         (op.isNull(), F.lit(NOT_ENVELOPE)),
         (~op.isin(*OPS), F.concat(F.lit("unsupported_op:"), op)),
         (op.isin(*EVENT_OPS) & ~F.col("_has_after"), F.lit("missing_or_invalid:after")),
@@ -250,7 +264,7 @@ class Reference:
             return None
         if not isinstance(document, dict):
             return None
-        return self._typed(document, self.at + self.key.name, self.key.type)
+        return self.typed(document, self.at + self.key.name, self.key.type)
 
     def __call__(self, payload: dict[str, Any]) -> dict[str, Any] | str:
         """The row a JSON object's envelope gives, or the reason it is quarantined."""
@@ -273,9 +287,9 @@ class Reference:
                 row[c.name] = None
                 missing.append(c.name)
             else:
-                row[c.name] = self._typed(payload, path, c.type)
+                row[c.name] = self.typed(payload, path, c.type)
         if op == DELETE:
-            row[self.key.name] = self._typed(payload, f"{at}before.{self.key.name}", self.key.type)
+            row[self.key.name] = self.typed(payload, f"{at}before.{self.key.name}", self.key.type)
         lsn = reference.field(payload, f"{at}source.lsn", "bigint")
         key = row[self.key.name]
         row.update(
@@ -291,7 +305,7 @@ class Reference:
         return row
 
     @staticmethod
-    def _typed(document: dict[str, Any], path: str, column_type: str) -> Any:
+    def typed(document: dict[str, Any], path: str, column_type: str) -> Any:
         if column_type == "timestamp":
             return reference.text_timestamp(reference.field(document, path, "string"))
         decimal = decimal_of(column_type)

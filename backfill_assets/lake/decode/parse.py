@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets.lake.decode import avro, debezium, json_schema, protobuf
+from backfill_assets.lake.decode import avro, debezium, debezium_avro, json_schema, protobuf
 from backfill_assets.lake.decode.envelope import KAFKA_COLUMNS, WIRE_HEADER, id_column
 from backfill_assets.lake.decode.json_payload import json_rules, json_stage
 from backfill_assets.spec.model import CDC_NAMES, ColumnSpec, TopicSpec
@@ -70,7 +70,10 @@ QUARANTINE_RULES = (
 
 
 def parse(
-    spec: TopicSpec, raw: DataFrame, run_id: str, writers: Mapping[int, Any] | None = None
+    spec: TopicSpec,
+    raw: DataFrame,
+    run_id: str,
+    writers: Mapping[int, Any] | debezium_avro.Writers | None = None,
 ) -> tuple[DataFrame, DataFrame, DataFrame]:
     """Split Kafka records into (table rows, quarantine rows), upcast to the latest schema;
     the third frame is the cached parse both are read from (the caller unpersists it last).
@@ -80,7 +83,8 @@ def parse(
     tombstone (NULL value) is a row. An avro topic's values are decoded by
     :func:`backfill_assets.lake.decode.avro.decode_stage` with ``writers`` (every schema id of the
     window, :func:`backfill_assets.lake.decode.avro.resolve`), a protobuf topic's by
-    :func:`backfill_assets.lake.decode.protobuf.decode_stage`. A json_schema topic's header is
+    :func:`backfill_assets.lake.decode.protobuf.decode_stage`, a Debezium avro topic's by
+    :mod:`backfill_assets.lake.decode.debezium_avro`'s. A json_schema topic's header is
     checked
     against ``writers`` (:func:`backfill_assets.lake.decode.json_schema.resolve`), then the payload
     after it is read by the json rules.
@@ -96,8 +100,13 @@ def parse(
     from pyspark.sql import functions as F
 
     col_names = [c.name for c in spec.columns]
-    if spec.format in ("avro", "protobuf"):
+    if spec.format == "avro" and spec.envelope == "debezium":
+        assert isinstance(writers, debezium_avro.Writers)
+        df, kafka_cols = debezium_avro.decode_stage(spec, raw, writers)
+        reason = _reason(spec, debezium_avro.rules())
+    elif spec.format in ("avro", "protobuf"):
         kind = avro if spec.format == "avro" else protobuf
+        assert not isinstance(writers, debezium_avro.Writers)
         df, kafka_cols = kind.decode_stage(spec, raw, writers or {})
         key_str = F.col("kafka_key").cast("string")
         # A tombstone's key field is its key, if that is UTF-8 text (as for JSON topics).
@@ -120,6 +129,7 @@ def parse(
         payload = F.expr(f"substring(value, {WIRE_HEADER + 1})")
         df, kafka_cols = json_stage(spec, raw.select("*", id_column().alias("_sid")), payload)
         body = F.expr(f"substring(kafka_value, {WIRE_HEADER + 1})")
+        assert not isinstance(writers, debezium_avro.Writers)
         rules = json_schema.wire_rules(writers or {})
         reason = _reason(spec, rules + json_rules(spec, F.col("schema_version"), body))
     else:

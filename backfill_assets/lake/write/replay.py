@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets.lake.decode import avro, json_schema, protobuf
+from backfill_assets.lake.decode import avro, debezium_avro, json_schema, protobuf
 from backfill_assets.lake.decode.parse import parse
 from backfill_assets.lake.offsets.contract import OffsetContract, hours_filter, window_filter
 from backfill_assets.lake.write.read import attribute, read_contract, read_throttled
@@ -181,8 +181,12 @@ def replay_to_branch(
     # One cache: the parse (on local disk). Rows and quarantine are filters of it; the first
     # write fills it, the second reads it back. The run's figures are measured on the branch
     # as written, by the checks (checks.run_checks).
-    writers: Mapping[int, Any] | None = None
-    if spec.format == "avro":
+    writers: Mapping[int, Any] | debezium_avro.Writers | None = None
+    if spec.format == "avro" and spec.envelope == "debezium":
+        writers = debezium_avro.resolve(
+            spec, settings.schema_registry_url, contract.windows.schema_ids
+        )
+    elif spec.format == "avro":
         writers = avro.resolve(spec, settings.schema_registry_url, contract.windows.schema_ids)
     elif spec.format == "protobuf":
         writers = protobuf.resolve(spec, settings.schema_registry_url, contract.windows.schema_ids)
