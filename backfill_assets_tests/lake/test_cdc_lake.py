@@ -17,8 +17,9 @@ with the current-state table, and the raw table with the connector's committed r
 
 The topic without the schema gets the same changes; it is backfilled by hand once all phases
 are in (one partition-range run of its raw and current-state assets through Dagster over every
-hour, support/runs.py), then again once its spec names the added column: the same comparisons
-at the end, and the column appears once the spec names it.
+hour, support/runs.py, in a child process on the same Connect server), then again once its
+spec names the added column: the same comparisons at the end, and the column appears once the
+spec names it.
 
 Kafka Connect stamps records with its worker's clock, and a Kafka-time hour is backfilled only
 once it has ended (and sealed), so the connectors here use the test clock
@@ -48,7 +49,6 @@ import pytest
 import yaml
 from confluent_kafka import TopicPartition
 
-from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.defs.sensors import gap_sensor_name, late_sensor_name
 from backfill_assets.demo import cdc as demo
 from backfill_assets.errors import KafkaClientError
@@ -59,10 +59,9 @@ from backfill_assets.stack.cdc import CdcSource, PgSource, debezium_postgres
 from backfill_assets.stack.connect import ConnectStatus, LocalConnectServer
 from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.postgres import PgServer
-from backfill_assets.stack.settings import Settings
+from backfill_assets.stack.settings import REPO_ROOT, Settings
 from backfill_assets_tests.support import daemon, services
 from backfill_assets_tests.support.cdc_source import Clock, SharedCdc
-from backfill_assets_tests.support.runs import materialize_range
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -151,6 +150,7 @@ class Lake:
     phases: dict[str, dict[str, Phase]] = field(default_factory=lambda: {v: {} for v in VARIANTS})
     columns: list[str] = field(default_factory=lambda: [c["name"] for c in COLUMNS])
     seen_runs: set[str] = field(default_factory=set)
+    spark_url: str = ""  # the Connect server's, for the backfill by hand
 
     @property
     def source(self) -> CdcSource:
@@ -356,18 +356,65 @@ def converge(lake: Lake, name: str) -> None:
     record(lake, SENSORS, name, runs, checks, [], list(lake.columns))
 
 
-def backfill_by_hand(lake: Lake, name: str, s: TopicSpec, columns: list[str]) -> None:
-    """Materialize the raw and current-state assets of ``s`` over every phase's hour as one
-    partition-range run (an instance of its own), and record it as phase ``name``."""
-    lake.specs[BY_HAND] = s
+# The backfill by hand, in a child process whose Spark is the warm Connect server the daemon's
+# runs use (a process holds either classic Spark or Connect, and this one reads with classic).
+BY_HAND_CHILD = r"""
+import json, sys
+from datetime import datetime
+from backfill_assets.defs.assets import build_topic_assets
+from backfill_assets.spec.model import TopicSpec
+from backfill_assets_tests.support.runs import materialize_range
+
+entry, first, last = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+assets = build_topic_assets(TopicSpec.model_validate(entry))
+result = materialize_range(
+    assets, None, datetime.fromisoformat(first), datetime.fromisoformat(last), raise_on_error=False
+)
+failures = [str(e.event_specific_data)[:2000] for e in result.all_events if e.is_failure]
+checks = [
+    (f"{e.asset_key.to_user_string()}:{e.check_name}", bool(e.passed))
+    for e in result.get_asset_check_evaluations()
+]
+print("RESULT " + json.dumps({"run": result.run_id, "success": result.success,
+                              "failures": failures, "checks": checks}))
+"""
+
+
+def start_by_hand(lake: Lake, extra: list[dict[str, Any]]) -> subprocess.Popen[str]:
+    """Start the backfill by hand of the schema-less topic (its spec with ``extra`` columns):
+    its raw and current-state assets over every phase's hour as one partition-range run, on
+    an instance of its own."""
     last = lake.start + timedelta(hours=len(PHASE_RUNS) - 1)
-    result = materialize_range(build_topic_assets(s), None, lake.start, last, raise_on_error=False)
-    failures = [str(e.event_specific_data)[:2000] for e in result.all_events if e.is_failure]
+    args = [json.dumps(entry(BY_HAND, lake.start, extra)), lake.start.isoformat(), last.isoformat()]
+    # Its log to a file: a pipe nobody reads while the phase converges would stall it.
+    log = lake.settings.home / f"cdc-by-hand-{len(extra)}.log"
+    with log.open("w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-c", BY_HAND_CHILD, *args],
+            cwd=REPO_ROOT,
+            env={**os.environ, "BACKFILL_SPARK_CONNECT": lake.spark_url},
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+
+
+def record_by_hand(
+    lake: Lake, name: str, child: subprocess.Popen[str], extra: list[dict[str, Any]]
+) -> None:
+    """Wait for the backfill by hand and record it as phase ``name``."""
+    out, _ = child.communicate(timeout=PHASE_S)
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    log = lake.settings.home / f"cdc-by-hand-{len(extra)}.log"
+    assert child.returncode == 0 and lines, log.read_text(errors="replace")[-4000:]
+    result = json.loads(lines[-1].removeprefix("RESULT "))
     checks: dict[str, list[bool]] = {}
-    for e in result.get_asset_check_evaluations():
-        checks.setdefault(f"{e.asset_key.to_user_string()}:{e.check_name}", []).append(e.passed)
-    runs = [result.run_id] if result.success else []
-    record(lake, BY_HAND, name, runs, checks, failures, columns)
+    for key, passed in result["checks"]:
+        checks.setdefault(key, []).append(passed)
+    lake.specs[BY_HAND] = spec(BY_HAND, lake.start, extra)
+    columns = [c["name"] for c in [*COLUMNS, *extra]]
+    runs = [result["run"]] if result["success"] else []
+    record(lake, BY_HAND, name, runs, checks, result["failures"], columns)
 
 
 def _row(lake: Lake, account_id: int, notes: int = 64) -> tuple[Any, ...]:
@@ -536,15 +583,14 @@ def run_phases(lake: Lake, home: Path, setup_s: float) -> None:
             converge(lake, name)
             timings.append(f"{name}: {time.monotonic() - began:.1f} s")
             began = time.monotonic()
-    # Every change is in Kafka now: the last phase converges (its waits in a thread) while the
-    # other topic is backfilled by hand here.
-    old = [c for c in lake.columns if c != "tier"]
-    with ThreadPoolExecutor(1) as pool:
-        last = pool.submit(converge, lake, name)
-        backfill_by_hand(lake, EVERY_PHASE, spec(BY_HAND, lake.start), old)
-        backfill_by_hand(lake, COLUMN_IN_SPEC, spec(BY_HAND, lake.start, [TIER]), lake.columns)
-        last.result()
-    timings.append(f"{name}, and by hand (two runs) meanwhile: {time.monotonic() - began:.1f} s")
+    # Every change is in Kafka now: the other topic is backfilled by hand while the last phase
+    # converges.
+    first = start_by_hand(lake, [])
+    converge(lake, name)
+    timings.append(f"{name}: {time.monotonic() - began:.1f} s")
+    record_by_hand(lake, EVERY_PHASE, first, [])
+    record_by_hand(lake, COLUMN_IN_SPEC, start_by_hand(lake, [TIER]), [TIER])
+    timings.append(f"by hand (two runs, the first meanwhile): {time.monotonic() - began:.1f} s")
     summary = "cdc lake: " + "; ".join(timings) + "\n"
     sys.stderr.write(summary)
     (home / "timings.txt").write_text(summary)
@@ -589,7 +635,7 @@ def lake(
             assert status.responding, status.describe()
             lake = Lake(
                 stack_settings, spark_session, cdc_source, db, KafkaClient(stack_settings),
-                clock, start, instance, process, specs,
+                clock, start, instance, process, specs, spark_url=url,
             )  # fmt: skip
             try:
                 run_phases(lake, home, time.monotonic() - began)
