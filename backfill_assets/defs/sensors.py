@@ -124,6 +124,9 @@ def build_gap_sensor(
     def _gaps(
         context: dg.SensorEvaluationContext, kafka: KafkaResource, iceberg: IcebergResource
     ) -> dg.SensorResult | dg.SkipReason:
+        # The runs in flight first: a run that ends while the gaps are looked for is still in
+        # flight for this tick, never requested again from what it had not published yet.
+        history = _history(context.instance, gap_sensor_name(spec))
         ns = iceberg.settings.catalog.namespace
         cat = iceberg.catalog()
         found = detect.find(
@@ -164,6 +167,7 @@ def build_gap_sensor(
             retry_backoff,
             reports,
             refused=str(found.replaced) if found.replaced is not None else None,
+            history=history,
         )
 
     return _gaps
@@ -258,12 +262,14 @@ def build_late_data_sensor(
     def _late(
         context: dg.SensorEvaluationContext, iceberg: IcebergResource
     ) -> dg.SensorResult | dg.SkipReason:
+        history = _history(context.instance, late_sensor_name(spec))  # before: see _gaps
         cat, ns = iceberg.catalog(), iceberg.settings.catalog.namespace
         due = detect.late_event_hours(cat, ns, spec, specs=specs)
         state = ledger.generation(cat, ns)
         return _requests(
-            context, late_sensor_name(spec), _merged("late", due), state, None, retry_backoff
-        )
+            context, late_sensor_name(spec), _merged("late", due), state, None, retry_backoff,
+            history=history,
+        )  # fmt: skip
 
     return _late
 
@@ -277,9 +283,12 @@ def _requests(
     retry_backoff: timedelta = RETRY_BACKOFF,
     reports: list[dg.AssetMaterialization] | None = None,
     refused: str | None = None,
+    history: _History | None = None,
 ) -> dg.SensorResult | dg.SkipReason:
+    """The run requests for ``wanted`` not yet requested at ledger ``state``, nor in flight in
+    ``history`` (read before ``wanted`` was computed; default: now)."""
     seen: list[str] = json.loads(context.cursor) if context.cursor else []
-    history = _history(context.instance, sensor)
+    history = history if history is not None else _history(context.instance, sensor)
     now = datetime.now(UTC)
     requests: list[dg.RunRequest] = []
     waiting: list[str] = []

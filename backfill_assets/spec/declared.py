@@ -30,6 +30,7 @@ from backfill_assets.spec.model import (
     EVENT_META_COLUMNS,
     TableSpec,
     TopicSpec,
+    decimal_of,
 )
 
 if TYPE_CHECKING:
@@ -261,7 +262,7 @@ def _check_outputs(table: TableSpec, typed: exp.Query, where: str) -> None:
         )
     for column in table.columns:
         inferred = _class(outputs[column.name].type)
-        want = _CLASS[column.type]
+        want = "fractional" if decimal_of(column.type) else _CLASS[column.type]
         if inferred is None or inferred == want:
             continue
         if want == "fractional" and inferred == "integer":
@@ -390,7 +391,13 @@ def _qualify(query: exp.Query | str, known: dict[str, Relation], where: str) -> 
 
 def _schema(known: dict[str, Relation]) -> dict[str, object]:
     """The relations as sqlglot's schema: name -> column -> SQL type."""
-    return {n: {c: _SQLGLOT_TYPES[t] for c, t in r.columns} for n, r in known.items()}
+    return {n: {c: _sqlglot_type(t) for c, t in r.columns} for n, r in known.items()}
+
+
+def _sqlglot_type(column_type: str) -> str:
+    """A column type as sqlglot's SQL type (``decimal(p,s)`` as ``DECIMAL(p,s)``)."""
+    found = decimal_of(column_type)
+    return f"DECIMAL({found[0]},{found[1]})" if found else _SQLGLOT_TYPES[column_type]
 
 
 def _class(dtype: exp.DataType | None) -> str | None:

@@ -49,7 +49,6 @@ import yaml
 # NewTopic and AdminClient are public but only implicitly re-exported.
 from confluent_kafka import KafkaException, TopicCollection
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
-from dagster._core.scheduler.instigation import InstigatorType, TickStatus
 
 from backfill_assets.defs.assets import current_asset_key, raw_asset_key
 from backfill_assets.defs.sensors import gap_sensor_name, late_sensor_name
@@ -61,7 +60,7 @@ from backfill_assets.spec.model import TopicSpec, identifier_of
 from backfill_assets.stack import catalog
 from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.settings import REPO_ROOT, Settings
-from backfill_assets_tests.support import hostile, services
+from backfill_assets_tests.support import daemon, hostile, services
 
 pytestmark = pytest.mark.convergence
 
@@ -94,13 +93,6 @@ JOIN {topic} AS o
   AND o.event_time < h.event_hour + INTERVAL 1 HOUR
 GROUP BY h.event_hour
 """
-_ACTIVE = [
-    dg.DagsterRunStatus.QUEUED,
-    dg.DagsterRunStatus.NOT_STARTED,
-    dg.DagsterRunStatus.STARTING,
-    dg.DagsterRunStatus.STARTED,
-    dg.DagsterRunStatus.CANCELING,
-]
 
 
 @dataclass(frozen=True)
@@ -519,27 +511,14 @@ def lab(
 
 
 def sensor_ticks(lab: Lab, name: str, after: float) -> list[Any]:
-    """The daemon's finished ticks of sensor ``name`` since ``after`` (epoch seconds), newest
-    first (a tick still being evaluated has no outcome yet)."""
-    for state in lab.instance.all_instigator_state(instigator_type=InstigatorType.SENSOR):
-        if state.instigator_name == name:
-            ticks = lab.instance.get_ticks(
-                state.instigator_origin_id, state.selector_id, after=after
-            )
-            return [t for t in ticks if t.status != TickStatus.STARTED]
-    return []
+    return daemon.sensor_ticks(lab.instance, name, after)
 
 
 def _tick_summary(lab: Lab, after: float) -> str:
-    lines = []
-    for spec in lab.specs:
-        for name in (gap_sensor_name(spec), late_sensor_name(spec)):
-            for tick in sensor_ticks(lab, name, after)[:3]:
-                lines.append(
-                    f"  {name} {tick.status.value} runs={tick.run_ids} "
-                    f"skip={tick.skip_reason!r} error={tick.error and tick.error.message!r}"
-                )
-    return "\n".join(lines)
+    sensors = [
+        name for spec in lab.specs for name in (gap_sensor_name(spec), late_sensor_name(spec))
+    ]
+    return daemon.tick_summary(lab.instance, sensors, after)
 
 
 def _due(lab: Lab) -> dict[str, Any]:
@@ -560,32 +539,6 @@ def _due(lab: Lab) -> dict[str, Any]:
     return out
 
 
-def _sensor_runs(
-    lab: Lab, statuses: list[dg.DagsterRunStatus], after: float | None = None
-) -> list[dg.DagsterRun]:
-    """Runs the gap and late-data sensors launched (the archive schedules' runs are not
-    what this tier waits for)."""
-    updated = datetime.fromtimestamp(after, UTC) if after is not None else None
-    runs = lab.instance.get_runs(filters=dg.RunsFilter(statuses=statuses, updated_after=updated))
-    return [
-        r
-        for r in runs
-        if r.tags.get("dagster/sensor_name", "").endswith(("_offset_gaps", "_late_data"))
-    ]
-
-
-def _failures(lab: Lab, after: float) -> list[str]:
-    out = []
-    for run in _sensor_runs(lab, [dg.DagsterRunStatus.FAILURE], after):
-        errors = [
-            e.message
-            for e in lab.instance.all_logs(run.run_id)
-            if e.dagster_event and e.dagster_event.is_failure
-        ]
-        out.append(f"run {run.run_id} ({run.asset_selection}) failed: {errors[-3:]}")
-    return out
-
-
 def converge(lab: Lab, phase: str) -> None:
     """Wait, with the daemon doing every launch, until no run is active, nothing is due and
     every table equals the truth; fail after MAX_TICKS gap-sensor ticks of the main topic with
@@ -597,9 +550,9 @@ def converge(lab: Lab, phase: str) -> None:
     settled_but_wrong = 0  # polls in a row with nothing due, nothing running, tables wrong
     while True:
         ticks = len(sensor_ticks(lab, gap, began))
-        failed = _failures(lab, began)
+        failed = daemon.failures(lab.instance, began)
         assert not failed, f"{phase}: a sensor-launched run failed:\n" + "\n".join(failed)
-        active = _sensor_runs(lab, _ACTIVE)
+        active = daemon.sensor_runs(lab.instance, daemon.ACTIVE)
         if not active:
             due = _due(lab)
             if not due:
@@ -806,7 +759,7 @@ def converge_raw(lab: Lab, spec: TopicSpec, hours: int) -> None:
             entries = ledger.coverage(cat, lab.settings.catalog.namespace, lab.full(spec.raw_table))
         except Exception:  # no table yet
             entries = {}
-        if len(entries) >= hours and not _sensor_runs(lab, _ACTIVE):
+        if len(entries) >= hours and not daemon.sensor_runs(lab.instance, daemon.ACTIVE):
             return
         time.sleep(3)
     raise AssertionError(f"{spec.raw_table} not published within {MAX_TICKS} ticks")

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import uuid
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
+import pytest
 
 from backfill_assets.defs.assets import build_topic_assets
 from backfill_assets.defs.definitions import RESOURCES, SPECS
@@ -81,3 +82,46 @@ def test_a_raw_republish_makes_the_current_state_due_and_the_sensor_repairs_it(
         assert materialize_range(only_current, instance, START, START + timedelta(hours=1)).success
         assert not {"o58", "o59"} & keys()
         assert ([current_key], hour) not in _requests(sensor, assets, instance)
+
+
+def test_a_raw_run_ending_during_a_tick_is_not_requested_again(
+    stack_settings: Settings, spark_session: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A raw request's run publishes raw, then current. A tick that finds the gaps while the
+    run has published raw only sees the current hours due; if the run ends before the tick
+    looks at the runs in flight, it must still count as in flight for that tick (the tick reads
+    them first), else the hours are requested again as a current-only run (seen under the
+    real daemon by the cdc tier: one extra run per phase)."""
+    from backfill_assets.defs import sensors
+    from backfill_assets.lake.coverage import detect
+
+    topic = f"orders_{uuid.uuid4().hex[:8]}"
+    produce(stack_settings, topic)
+    spec = renamed(SPECS[0], topic=topic, partition_start=START)
+    raw_key, current_key = f"raw/{spec.name}", f"lakehouse/{spec.current_table}"
+    fmt = "%Y-%m-%d-%H:%M"
+    span = f"{START:{fmt}}...{START + timedelta(hours=1):{fmt}}"
+    with dg.instance_for_test() as instance:
+        assets = build_topic_assets(spec)
+        raw = [a for a in assets if a.key.to_user_string() == raw_key]
+        # The run's state mid-way: raw published, the current state not yet.
+        assert materialize_range(raw, instance, START, START + timedelta(hours=1)).success
+        sensor = build_gap_sensor(spec)
+        run = dg.DagsterRun(
+            job_name="__ASSET_JOB",
+            run_id=str(uuid.uuid4()),
+            status=dg.DagsterRunStatus.STARTED,
+            tags={"dagster/sensor_name": sensor.name, sensors.REQUEST_TAG: f"raw:{span}"},
+        )
+        instance.add_run(run)
+        find = detect.find
+
+        def find_then_the_run_ends(*args: Any, **kwargs: Any) -> Any:
+            found = find(*args, **kwargs)
+            instance.delete_run(run.run_id)
+            instance.add_run(run.with_status(dg.DagsterRunStatus.SUCCESS))
+            return found
+
+        monkeypatch.setattr(detect, "find", find_then_the_run_ends)
+        requested = _requests(sensor, assets, instance)
+        assert not [r for r in requested if r[0] == [current_key]], requested

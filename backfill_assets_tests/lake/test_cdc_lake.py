@@ -1,15 +1,25 @@
 """The lake reads the real Debezium's topics (issue 48): Postgres with logical decoding, Kafka
 Connect and Debezium's Postgres connector (the shared ``cdc_source``), JSON with the schema
-embedded and without, backfilled the way users do: the raw and current-state assets of the
-hour range materialized through Dagster (support/runs.py).
+embedded and without.
 
-Phases, each its own Kafka-time hour, each followed by the backfill of every hour so far, then
-the source read by ``SELECT`` compared row for row with the current-state table, and the raw
-table with the connector's committed records (offsets): the snapshot; inserts, updates (one
-leaving a 100 kB TOASTed text unchanged) and deletes; a key update (Debezium: delete, tombstone,
-create); a re-snapshot by a new connector and slot on the same topics whose snapshot reads
-arrive after a newer change (ordered by the source's LSN, not by arrival: no stale row, no
-duplicate, no deleted row back); a column added to the source, read once the spec names it.
+The topic with the schema embedded is kept equal to the source by the real ``dagster-daemon``
+running the package's sensors (gap and late-data) over a workspace whose ``topics.yaml`` holds
+that topic alone: no run is launched by the test. Its runs are thin clients of a warm Spark
+Connect server, as in the demo (``BACKFILL_SPARK_CONNECT``). Phases, each its own Kafka-time
+hour: the snapshot; inserts, updates (one leaving a 100 kB TOASTed text unchanged) and
+deletes; a key update (Debezium: delete, tombstone, create); a re-snapshot by a new connector
+and slot on the same topics whose snapshot reads arrive after a newer change (ordered by the
+source's LSN, not by arrival: no stale row, no duplicate, no deleted row back); a column added
+to the source (the spec names it ahead of the migration). After each, the test waits until
+the phase's changes are in Kafka, then until no sensor run is active and the gap check finds
+nothing due (support/daemon.py); then the source read by ``SELECT`` is compared row for row
+with the current-state table, and the raw table with the connector's committed records.
+
+The topic without the schema gets the same changes; it is backfilled by hand once all phases
+are in (one partition-range run of its raw and current-state assets through Dagster over every
+hour, support/runs.py, in a child process on the same Connect server), then again once its
+spec names the added column: the same comparisons at the end, and the column appears once the
+spec names it.
 
 Kafka Connect stamps records with its worker's clock, and a Kafka-time hour is backfilled only
 once it has ended (and sealed), so the connectors here use the test clock
@@ -19,28 +29,39 @@ whose clock runs behind. Debezium's envelopes are untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 import pytest
+import yaml
 from confluent_kafka import TopicPartition
 
-from backfill_assets.defs.assets import build_topic_assets
+from backfill_assets.defs.sensors import gap_sensor_name, late_sensor_name
 from backfill_assets.demo import cdc as demo
 from backfill_assets.errors import KafkaClientError
+from backfill_assets.lake.coverage import detect
 from backfill_assets.spec.model import TopicSpec
+from backfill_assets.stack import catalog
 from backfill_assets.stack.cdc import CdcSource, PgSource, debezium_postgres
+from backfill_assets.stack.connect import ConnectStatus, LocalConnectServer
 from backfill_assets.stack.kafka import KafkaClient
 from backfill_assets.stack.postgres import PgServer
-from backfill_assets.stack.settings import Settings
+from backfill_assets.stack.settings import REPO_ROOT, Settings
+from backfill_assets_tests.support import daemon, services
 from backfill_assets_tests.support.cdc_source import Clock, SharedCdc
-from backfill_assets_tests.support.runs import materialize_range
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -51,9 +72,18 @@ DATABASE, ROLE = "lake_cdc", "lakecdc"
 BIG = 100_000  # characters of a large text value (stored out of line: TOAST)
 # Per variant: connector name and topic prefix (also its slot), schemas.enable.
 VARIANTS = {"embedded": ("lake-s", "lake_s", True), "none": ("lake-p", "lake_p", False)}
+SENSORS = "embedded"  # the variant the daemon's sensors keep equal to the source, phase by phase
+BY_HAND = "none"  # the variant backfilled by hand at the end
 # The new connectors' snapshot waits this long after they made their slots.
 RESNAPSHOT_DELAY_MS = 3000
-PHASES = ("snapshot", "changes", "key update", "re-snapshot", "column added")
+TICK_S = 2  # BACKFILL_SENSOR_INTERVAL_S of the daemon
+# A phase not converged after this long fails, with the sensors' last ticks (a run takes tens
+# of seconds on 2 busy cores; the tier's whole time is about 3 minutes).
+PHASE_S = 300
+# Phases begin this many hours ago (one Kafka-time hour each). A tick of the gap sensor while a
+# phase's changes are being written publishes the hour so far; the rest then belongs to the
+# next hour (windows own offsets, not timestamps), so later phases may move an hour on.
+HOURS_AGO = 10
 COLUMNS: list[dict[str, Any]] = [
     {"name": "id", "type": "bigint", "nullable": False},
     {"name": "balance", "type": "decimal(12,2)", "nullable": False},
@@ -62,40 +92,44 @@ COLUMNS: list[dict[str, Any]] = [
     {"name": "profile", "type": "string"},
     {"name": "notes", "type": "string"},
 ]
+TIER = {"name": "tier", "type": "string"}  # the column the last phase adds to the source
+
+
+def entry(variant: str, start: datetime, extra: list[dict[str, Any]] | None = None) -> Any:
+    """The spec entry docs/cdc.md gives to copy, for this variant's topic."""
+    _, prefix, _ = VARIANTS[variant]
+    return {
+        "topic": f"{prefix}.public.accounts",
+        "format": "json",
+        "envelope": "debezium",
+        "schemas": variant,
+        "key_field": "id",
+        "partition_start": start.isoformat(),
+        "allowed_lateness_hours": 0,
+        "quarantine_max_ratio": 0.0,
+        "columns": [*COLUMNS, *(extra or [])],
+    }
 
 
 def spec(variant: str, start: datetime, extra: list[dict[str, Any]] | None = None) -> TopicSpec:
-    """The spec entry docs/cdc.md gives to copy, for this variant's topic."""
-    _, prefix, _ = VARIANTS[variant]
-    return TopicSpec.model_validate(
-        {
-            "topic": f"{prefix}.public.accounts",
-            "format": "json",
-            "envelope": "debezium",
-            "schemas": variant,
-            "key_field": "id",
-            "partition_start": start.isoformat(),
-            "allowed_lateness_hours": 0,
-            "quarantine_max_ratio": 0.0,
-            "columns": [*COLUMNS, *(extra or [])],
-        }
-    )
+    return TopicSpec.model_validate(entry(variant, start, extra))
 
 
 @dataclass
 class Phase:
-    """What one phase's backfill made and what the source and Kafka held then."""
+    """What one phase's runs made of one topic, and what the source and Kafka held then."""
 
     name: str
+    runs: list[str]  # the runs that published it
     success: bool
-    checks: dict[str, bool]
+    checks: dict[str, list[bool]]  # asset:check -> each evaluation passed
     source: dict[int, dict[str, Any]]  # id -> the source's row by SELECT, as the lake holds it
-    current: dict[str, dict[int, dict[str, Any]]]  # variant -> id -> the current-state row
-    deleted: dict[str, set[int]]  # variant -> ids marked deleted in the current state
-    raw_offsets: dict[str, list[int]]  # variant -> the raw table's offsets
-    quarantined: dict[str, int]
-    kafka_offsets: dict[str, list[int]]  # variant -> the committed records' offsets
-    unavailable: dict[str, int]  # variant -> current rows still naming unavailable columns
+    current: dict[int, dict[str, Any]]  # id -> the live current-state row
+    deleted: set[int]  # ids marked deleted in the current state
+    raw_offsets: list[int]  # the raw table's offsets
+    quarantined: int
+    kafka_offsets: list[int]  # the committed records' offsets
+    unavailable: int  # current rows still naming unavailable columns
     failures: list[str] = field(default_factory=list)
 
 
@@ -108,11 +142,15 @@ class Lake:
     client: KafkaClient
     clock: Clock
     start: datetime
-    instance: dg.DagsterInstance
+    instance: dg.DagsterInstance  # the daemon's
+    daemon: subprocess.Popen[bytes]
     specs: dict[str, TopicSpec]
     rng: random.Random = field(default_factory=lambda: random.Random(48))
-    phases: dict[str, Phase] = field(default_factory=dict)
+    # variant -> phase -> what it made
+    phases: dict[str, dict[str, Phase]] = field(default_factory=lambda: {v: {} for v in VARIANTS})
     columns: list[str] = field(default_factory=lambda: [c["name"] for c in COLUMNS])
+    seen_runs: set[str] = field(default_factory=set)
+    spark_url: str = ""  # the Connect server's, for the backfill by hand
 
     @property
     def source(self) -> CdcSource:
@@ -152,28 +190,30 @@ def _micros(moment: datetime) -> int:
     return (moment - _EPOCH) // timedelta(microseconds=1)
 
 
-def source_rows(lake: Lake) -> dict[int, dict[str, Any]]:
-    """The source table by ``SELECT``, as the lake holds it: json and jsonb as Postgres' text,
-    timestamps as epoch microseconds."""
-    cols = ", ".join(f"{c}::text" if c in ("attrs", "profile") else c for c in lake.columns)
+def source_rows(lake: Lake, columns: list[str]) -> dict[int, dict[str, Any]]:
+    """The source table's ``columns`` by ``SELECT``, as the lake holds them: json and jsonb as
+    Postgres' text, timestamps as epoch microseconds."""
+    cols = ", ".join(f"{c}::text" if c in ("attrs", "profile") else c for c in columns)
     rows = lake.query(f"SELECT {cols} FROM accounts")
     out = {}
     for row in rows:
-        values = dict(zip(lake.columns, row, strict=True))
+        values = dict(zip(columns, row, strict=True))
         values["updated_at"] = _micros(values["updated_at"])
         out[values["id"]] = values
     return out
 
 
-def lake_rows(lake: Lake, variant: str) -> tuple[dict[int, dict[str, Any]], set[int], int]:
-    """The current-state table: live rows by id (as :func:`source_rows`), deleted ids, and rows
-    still naming a column Debezium left out."""
+def lake_rows(
+    lake: Lake, spec: TopicSpec, columns: list[str]
+) -> tuple[dict[int, dict[str, Any]], set[int], int]:
+    """The current-state table: live rows by id (``columns``, as :func:`source_rows`), deleted
+    ids, and rows still naming a column Debezium left out."""
     from pyspark.sql import functions as F
 
     ns = lake.settings.catalog.namespace
-    table = lake.spark.table(f"lake.{ns}.{lake.specs[variant].current_table}")
+    table = lake.spark.table(f"lake.{ns}.{spec.current_table}")
     rows = table.withColumn("updated_at", F.unix_micros("updated_at")).collect()
-    live = {r["id"]: {c: r[c] for c in lake.columns} for r in rows if not r["deleted"]}
+    live = {r["id"]: {c: r[c] for c in columns} for r in rows if not r["deleted"]}
     gone = {r["id"] for r in rows if r["deleted"]}
     unavailable = sum(1 for r in rows if r["cdc_unavailable"] is not None)
     return live, gone, unavailable
@@ -255,31 +295,126 @@ def wait_until(
         time.sleep(0.2)
 
 
-def backfill(lake: Lake, name: str, hours: int) -> None:
-    """Materialize the raw and current-state assets of both topics over the first ``hours``
-    Kafka-time hours as one partition-range run, then record the phase."""
-    assets = [a for s in lake.specs.values() for a in build_topic_assets(s)]
-    last = lake.start + timedelta(hours=hours - 1)
-    result = materialize_range(assets, lake.instance, lake.start, last, raise_on_error=False)
-    failures = [str(e.event_specific_data)[:2000] for e in result.all_events if e.is_failure]
-    checks = {
-        f"{e.asset_key.to_user_string()}:{e.check_name}": e.passed
-        for e in result.get_asset_check_evaluations()
-    }
+def record(
+    lake: Lake, variant: str, name: str, runs: list[str], checks: dict[str, list[bool]],
+    failures: list[str], columns: list[str],
+) -> None:  # fmt: skip
+    """Record what the runs ``runs`` made of the variant's topic as phase ``name``: the
+    source's and the current state's ``columns``, the raw offsets, Kafka's."""
+    s = lake.specs[variant]
+    current, deleted, unavailable = lake_rows(lake, s, columns)
     ns = lake.settings.catalog.namespace
-    current, deleted, raw, quarantined, offsets, unavailable = {}, {}, {}, {}, {}, {}
-    for variant, s in lake.specs.items():
-        current[variant], deleted[variant], unavailable[variant] = lake_rows(lake, variant)
-        raw[variant] = sorted(
-            r[0] for r in lake.spark.table(f"lake.{ns}.{s.raw_table}")
-            .select("kafka_offset").collect()
-        )  # fmt: skip
-        quarantined[variant] = lake.spark.table(f"lake.{ns}.{s.quarantine_table}").count()
-        offsets[variant] = kafka_offsets(lake, variant)
-    lake.phases[name] = Phase(
-        name, result.success, checks, source_rows(lake), current, deleted, raw, quarantined,
-        offsets, unavailable, failures,
+    raw = sorted(
+        r[0] for r in lake.spark.table(f"lake.{ns}.{s.raw_table}").select("kafka_offset").collect()
+    )
+    quarantined = lake.spark.table(f"lake.{ns}.{s.quarantine_table}").count()
+    lake.phases[variant][name] = Phase(
+        name, runs, bool(runs) and not failures, checks, source_rows(lake, columns), current,
+        deleted, raw, quarantined, kafka_offsets(lake, variant), unavailable, failures,
     )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# The daemon's sensors, and the backfill by hand
+# --------------------------------------------------------------------------------------------
+
+
+def _due(lake: Lake) -> dict[str, list[datetime]]:
+    """What the gap check still finds for the sensors' topic (empty: nothing due)."""
+    s = lake.specs[SENSORS]
+    cat = catalog.load(lake.settings.catalog)
+    found = detect.find(lake.client, cat, lake.settings.catalog.namespace, s)
+    due = {"raw": found.raw_gaps, "current": found.current_gaps}
+    return {k: v for k, v in due.items() if v}
+
+
+def converge(lake: Lake, name: str) -> None:
+    """Wait, with the daemon doing every launch, until no sensor run is active and nothing is
+    due; record the phase (every run the sensors launched since the last phase). Fail at once
+    when a sensor's run fails, or after PHASE_S with what is due and the last ticks."""
+    began = time.time()
+    due: dict[str, list[datetime]] = {}
+    while True:
+        assert lake.daemon.poll() is None, "the daemon exited: see its services.log"
+        failed = daemon.failures(lake.instance, began)
+        assert not failed, f"{name}: a sensor-launched run failed:\n" + "\n".join(failed)
+        if not daemon.sensor_runs(lake.instance, daemon.ACTIVE):
+            due = _due(lake)
+            if not due:
+                break
+        if time.time() - began > PHASE_S:
+            s = lake.specs[SENSORS]
+            ticks = [gap_sensor_name(s), late_sensor_name(s)]
+            raise AssertionError(
+                f"{name}: not converged after {PHASE_S} s; still due {due}; last ticks:\n"
+                + daemon.tick_summary(lake.instance, ticks, began)
+            )
+        time.sleep(1)
+    runs = [r.run_id for r in daemon.sensor_runs(lake.instance) if r.run_id not in lake.seen_runs]
+    lake.seen_runs.update(runs)
+    checks = daemon.check_results(lake.instance, runs)
+    record(lake, SENSORS, name, runs, checks, [], list(lake.columns))
+
+
+# The backfill by hand, in a child process whose Spark is the warm Connect server the daemon's
+# runs use (a process holds either classic Spark or Connect, and this one reads with classic).
+BY_HAND_CHILD = r"""
+import json, sys
+from datetime import datetime
+from backfill_assets.defs.assets import build_topic_assets
+from backfill_assets.spec.model import TopicSpec
+from backfill_assets_tests.support.runs import materialize_range
+
+entry, first, last = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+assets = build_topic_assets(TopicSpec.model_validate(entry))
+result = materialize_range(
+    assets, None, datetime.fromisoformat(first), datetime.fromisoformat(last), raise_on_error=False
+)
+failures = [str(e.event_specific_data)[:2000] for e in result.all_events if e.is_failure]
+checks = [
+    (f"{e.asset_key.to_user_string()}:{e.check_name}", bool(e.passed))
+    for e in result.get_asset_check_evaluations()
+]
+print("RESULT " + json.dumps({"run": result.run_id, "success": result.success,
+                              "failures": failures, "checks": checks}))
+"""
+
+
+def start_by_hand(lake: Lake, extra: list[dict[str, Any]]) -> subprocess.Popen[str]:
+    """Start the backfill by hand of the schema-less topic (its spec with ``extra`` columns):
+    its raw and current-state assets over every phase's hour as one partition-range run, on
+    an instance of its own."""
+    last = lake.start + timedelta(hours=len(PHASE_RUNS) - 1)
+    args = [json.dumps(entry(BY_HAND, lake.start, extra)), lake.start.isoformat(), last.isoformat()]
+    # Its log to a file: a pipe nobody reads while the phase converges would stall it.
+    log = lake.settings.home / f"cdc-by-hand-{len(extra)}.log"
+    with log.open("w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-c", BY_HAND_CHILD, *args],
+            cwd=REPO_ROOT,
+            env={**os.environ, "BACKFILL_SPARK_CONNECT": lake.spark_url},
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+
+
+def record_by_hand(
+    lake: Lake, name: str, child: subprocess.Popen[str], extra: list[dict[str, Any]]
+) -> None:
+    """Wait for the backfill by hand and record it as phase ``name``."""
+    out, _ = child.communicate(timeout=PHASE_S)
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    log = lake.settings.home / f"cdc-by-hand-{len(extra)}.log"
+    assert child.returncode == 0 and lines, log.read_text(errors="replace")[-4000:]
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    checks: dict[str, list[bool]] = {}
+    for key, passed in result["checks"]:
+        checks.setdefault(key, []).append(passed)
+    lake.specs[BY_HAND] = spec(BY_HAND, lake.start, extra)
+    columns = [c["name"] for c in [*COLUMNS, *extra]]
+    runs = [result["run"]] if result["success"] else []
+    record(lake, BY_HAND, name, runs, checks, result["failures"], columns)
 
 
 def _row(lake: Lake, account_id: int, notes: int = 64) -> tuple[Any, ...]:
@@ -374,12 +509,14 @@ def phase_resnapshot(lake: Lake, start: dict[str, int]) -> Done:
 
 def phase_column_added(lake: Lake, start: dict[str, int]) -> Done:
     """A column added to the source, then set by an update (its large text unchanged) and an
-    insert; the other rows hold NULL there, in the source as in Debezium's next reads."""
+    insert; the other rows hold NULL there, in the source as in Debezium's next reads. The
+    sensors' spec names it from the start; the spec of the topic backfilled by hand does not."""
     lake.sql(
         ("ALTER TABLE accounts ADD COLUMN tier text", ()),
         ("UPDATE accounts SET tier = 'gold', balance = balance + 1 WHERE id = 1", ()),
         ("INSERT INTO accounts VALUES (%s, %s, %s, %s, %s, %s, 'silver')", _row(lake, 7)),
     )
+    lake.columns.append("tier")  # the source's columns, from now on
     return lambda found: ("c", 7) in found
 
 
@@ -390,37 +527,121 @@ PHASE_RUNS: list[tuple[str, Callable[[Lake, dict[str, int]], Done]]] = [
     ("re-snapshot", phase_resnapshot),
     ("column added", phase_column_added),
 ]
-# The last backfill: the column added to the spec, every hour again.
-COLUMN_IN_SPEC = "column in spec"
-ALL_PHASES = [name for name, _ in PHASE_RUNS] + [COLUMN_IN_SPEC]
+# The backfills by hand of the other topic, once every phase is in Kafka: with the spec as it
+# was, then with the added column declared, every hour again.
+EVERY_PHASE, COLUMN_IN_SPEC = "every phase", "column in spec"
+RUNS = [(SENSORS, name) for name, _ in PHASE_RUNS] + [
+    (BY_HAND, EVERY_PHASE),
+    (BY_HAND, COLUMN_IN_SPEC),
+]
+LAST = {SENSORS: PHASE_RUNS[-1][0], BY_HAND: COLUMN_IN_SPEC}  # each variant's last phase
+
+
+@contextmanager
+def warm_spark(settings: Settings, home: Path) -> Iterator[tuple[str, Future[ConnectStatus]]]:
+    """A Spark Connect server of the module's own (its port, its logs under ``home``), started
+    in a thread while the daemon starts: the daemon's runs are its thin clients, as in the
+    demo (scripts/demo.sh), instead of each starting Spark. Yields its URL and its start."""
+    own = dataclasses.replace(settings, home=home, spark_connect_port=services.free_port())
+    server = LocalConnectServer(own)
+    with ThreadPoolExecutor(1) as pool:
+        started = pool.submit(server.start)
+        try:
+            yield server.url, started
+        finally:
+            wait([started])
+            server.stop()
+
+
+def _daemon_env(
+    lake_home: Path, stack_env: dict[str, str], path: Path, spark_url: str
+) -> dict[str, str]:
+    return {
+        **os.environ,
+        **stack_env,
+        "BACKFILL_SPARK_CONNECT": spark_url,
+        "BACKFILL_SPEC": str(path),
+        "BACKFILL_SENSORS": "on",
+        "BACKFILL_SENSOR_INTERVAL_S": str(TICK_S),
+        "BACKFILL_MAINTENANCE_SCHEDULES": "off",
+        "BACKFILL_DAGSTER_STORAGE": str(lake_home / "storage"),
+        "DAGSTER_HOME": str(lake_home / "dagster"),
+    }
+
+
+def run_phases(lake: Lake, home: Path, setup_s: float) -> None:
+    """Each phase in its own hour, converged by the daemon's sensors; then the backfills by
+    hand of the other topic. Seconds per step go to ``home/timings.txt`` (and stderr: -s)."""
+    timings = [f"CDC source, Spark, Connect server and daemon up: {setup_s:.1f} s"]
+    began = time.monotonic()
+    for hour, (name, run) in enumerate(PHASE_RUNS):
+        # This phase's records are stamped in its own hour, which ended hours ago.
+        lake.clock.at(lake.start + timedelta(hours=hour, minutes=1))
+        offsets = highs(lake)
+        wait_until(lake, offsets, run(lake, offsets), name)
+        if hour < len(PHASE_RUNS) - 1:
+            converge(lake, name)
+            timings.append(f"{name}: {time.monotonic() - began:.1f} s")
+            began = time.monotonic()
+    # Every change is in Kafka now: the other topic is backfilled by hand while the last phase
+    # converges.
+    first = start_by_hand(lake, [])
+    converge(lake, name)
+    timings.append(f"{name}: {time.monotonic() - began:.1f} s")
+    record_by_hand(lake, EVERY_PHASE, first, [])
+    record_by_hand(lake, COLUMN_IN_SPEC, start_by_hand(lake, [TIER]), [TIER])
+    timings.append(f"by hand (two runs, the first meanwhile): {time.monotonic() - began:.1f} s")
+    summary = "cdc lake: " + "; ".join(timings) + "\n"
+    sys.stderr.write(summary)
+    (home / "timings.txt").write_text(summary)
 
 
 @pytest.fixture(scope="module")
 def lake(
-    stack_settings: Settings, spark_session: SparkSession, cdc_source: SharedCdc
+    stack_settings: Settings,
+    stack_env: dict[str, str],
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
 ) -> Iterator[Lake]:
-    start = datetime.now(UTC).replace(minute=0, second=0, microsecond=0) - timedelta(hours=8)
-    db = cdc_source.source.database(cdc_source.server, DATABASE, ROLE)
+    now = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    start = now - timedelta(hours=HOURS_AGO)
+    home = tmp_path_factory.mktemp("cdc-sensors")
+    # The sensors' workspace: the topic with the schema embedded, its added column declared.
+    path = home / "spec" / "topics.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump({"topics": [entry(SENSORS, start, [TIER])]}, sort_keys=False))
+    specs = {SENSORS: spec(SENSORS, start, [TIER]), BY_HAND: spec(BY_HAND, start)}
+    began = time.monotonic()
     clock = Clock(stack_settings.home / "lake-cdc-clock")
-    specs = {variant: spec(variant, start) for variant in VARIANTS}
-    with dg.instance_for_test() as instance:
-        lake = Lake(
-            stack_settings, spark_session, cdc_source, db, KafkaClient(stack_settings), clock,
-            start, instance, specs,
-        )  # fmt: skip
-        try:
-            for hour, (name, run) in enumerate(PHASE_RUNS):
-                # This phase's records are stamped in its own hour, which ended hours ago.
-                clock.at(start + timedelta(hours=hour, minutes=1))
-                offsets = highs(lake)
-                wait_until(lake, offsets, run(lake, offsets), name)
-                backfill(lake, name, hour + 1)
-            lake.specs = {v: spec(v, start, [{"name": "tier", "type": "string"}]) for v in VARIANTS}
-            lake.columns.append("tier")
-            backfill(lake, COLUMN_IN_SPEC, len(PHASE_RUNS))
-            yield lake
-        finally:
-            _remove_connectors(lake)
+    with (
+        warm_spark(stack_settings, home) as (url, spark_started),
+        pytest.MonkeyPatch.context() as mp,
+    ):
+        env = _daemon_env(home, stack_env, path, url)
+        # The instance this process opens (dagster.yaml reads the storage from the
+        # environment) is the daemon's. This process keeps its own Spark (not Connect).
+        mp.setenv("BACKFILL_DAGSTER_STORAGE", env["BACKFILL_DAGSTER_STORAGE"])
+        mp.setenv("BACKFILL_SPEC", str(path))
+        with (
+            services.dagster_daemon(home / "dagster", env) as process,
+            dg.DagsterInstance.from_config(str(home / "dagster")) as instance,
+        ):
+            # The shared CDC source and this process's Spark start while the Connect server
+            # and the daemon do.
+            cdc_source: SharedCdc = request.getfixturevalue("cdc_source")
+            spark_session: SparkSession = request.getfixturevalue("spark_session")
+            db = cdc_source.source.database(cdc_source.server, DATABASE, ROLE)
+            status = spark_started.result()
+            assert status.responding, status.describe()
+            lake = Lake(
+                stack_settings, spark_session, cdc_source, db, KafkaClient(stack_settings),
+                clock, start, instance, process, specs, spark_url=url,
+            )  # fmt: skip
+            try:
+                run_phases(lake, home, time.monotonic() - began)
+                yield lake
+            finally:
+                _remove_connectors(lake)
 
 
 def _remove_connectors(lake: Lake) -> None:
@@ -453,34 +674,46 @@ def _remove_connectors(lake: Lake) -> None:
         con.close()
 
 
-@pytest.mark.parametrize("phase", ALL_PHASES)
-def test_each_backfill_publishes_with_every_check_green(lake: Lake, phase: str) -> None:
-    done = lake.phases[phase]
+def _phase(lake: Lake, variant: str, name: str) -> Phase:
+    return lake.phases[variant][name]
+
+
+@pytest.mark.parametrize(("variant", "phase"), RUNS)
+def test_each_phase_publishes_with_every_check_green(lake: Lake, variant: str, phase: str) -> None:
+    done = _phase(lake, variant, phase)
     assert done.success, done.failures
-    assert done.checks and all(done.checks.values()), done.checks
-    for variant in VARIANTS:
-        raw = f"raw/{lake.specs[variant].name}"
-        assert done.checks[f"{raw}:decoded_content"], variant
+    assert done.checks and all(all(c) for c in done.checks.values()), done.checks
+    assert all(done.checks[f"raw/{lake.specs[variant].name}:decoded_content"])
 
 
-@pytest.mark.parametrize("phase", ALL_PHASES)
-def test_the_current_state_equals_the_source_read_by_select(lake: Lake, phase: str) -> None:
-    done = lake.phases[phase]
+@pytest.mark.parametrize(("variant", "phase"), RUNS)
+def test_the_current_state_equals_the_source_read_by_select(
+    lake: Lake, variant: str, phase: str
+) -> None:
+    done = _phase(lake, variant, phase)
     assert done.source, "the source table is empty"
-    for variant in VARIANTS:
-        assert done.current[variant] == done.source, variant
-        assert done.unavailable[variant] == 0, variant
+    assert done.current == done.source
+    assert done.unavailable == 0
 
 
-@pytest.mark.parametrize("phase", ALL_PHASES)
-def test_the_raw_table_holds_every_committed_record(lake: Lake, phase: str) -> None:
-    done = lake.phases[phase]
-    for variant in VARIANTS:
-        raw = done.raw_offsets[variant]
-        # Every committed record up to where the run's windows end, each once; a record the
-        # connector wrote after the run sealed its hours belongs to a later window.
-        assert raw == [o for o in done.kafka_offsets[variant] if o <= raw[-1]], variant
-        assert done.quarantined[variant] == 0, variant
+@pytest.mark.parametrize(("variant", "phase"), RUNS)
+def test_the_raw_table_holds_every_committed_record(lake: Lake, variant: str, phase: str) -> None:
+    done = _phase(lake, variant, phase)
+    raw = done.raw_offsets
+    # Every committed record up to where the run's windows end, each once; a record the
+    # connector wrote after the run sealed its hours belongs to a later window.
+    assert raw == [o for o in done.kafka_offsets if o <= raw[-1]]
+    assert done.quarantined == 0
+
+
+def test_no_run_but_the_sensors_published_the_sensors_topic(lake: Lake) -> None:
+    """Every run on the daemon's instance was launched by one of its sensors (or schedules),
+    none by the test; each phase took at least one."""
+    runs = lake.instance.get_runs()
+    assert runs
+    for run in runs:
+        assert "dagster/sensor_name" in run.tags or "dagster/schedule_name" in run.tags, run.tags
+    assert all(p.runs for p in lake.phases[SENSORS].values())
 
 
 def _raw(lake: Lake, variant: str, account_id: int) -> list[dict[str, Any]]:
@@ -495,10 +728,10 @@ def _raw(lake: Lake, variant: str, account_id: int) -> list[dict[str, Any]]:
 def test_deletes_and_a_key_update_remove_keys_for_good(lake: Lake, variant: str) -> None:
     """2 deleted, 3 moved to 30 (delete, tombstone, create), 6 deleted and created again: the
     re-snapshot after them brought none back."""
-    last = lake.phases[COLUMN_IN_SPEC]
-    assert {2, 3} <= last.deleted[variant]
-    assert {2, 3}.isdisjoint(last.current[variant])
-    assert {6, 30} <= set(last.current[variant])
+    last = _phase(lake, variant, LAST[variant])
+    assert {2, 3} <= last.deleted
+    assert {2, 3}.isdisjoint(last.current)
+    assert {6, 30} <= set(last.current)
     ops = [(r["cdc_op"], r["is_tombstone"]) for r in _raw(lake, variant, 3)]
     assert ops[-2:] == [("d", False), (None, True)]
 
@@ -510,8 +743,9 @@ def test_an_unchanged_large_value_keeps_its_value(lake: Lake, variant: str) -> N
     updates = [r for r in _raw(lake, variant, 1) if r["cdc_op"] == "u"]
     assert updates and all(r["notes"] is None for r in updates)
     assert {r["cdc_unavailable"] for r in updates} == {"notes"}
-    notes = lake.phases[COLUMN_IN_SPEC].current[variant][1]["notes"]
-    assert len(notes) == BIG and notes == lake.phases[COLUMN_IN_SPEC].source[1]["notes"]
+    last = _phase(lake, variant, LAST[variant])
+    notes = last.current[1]["notes"]
+    assert len(notes) == BIG and notes == last.source[1]["notes"]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -519,7 +753,8 @@ def test_a_snapshot_read_arriving_after_a_newer_change_does_not_win(
     lake: Lake, variant: str
 ) -> None:
     """Row 4: the new connector's snapshot read reached Kafka after the old connector's
-    update of it, at an older LSN; the current state holds the update (LSN order)."""
+    update of it, at an older LSN; the current state holds the update (LSN order), right after
+    the re-snapshot under the sensors, and at the end (nothing changes row 4 after it)."""
     rows = _raw(lake, variant, 4)
     reads = [r for r in rows if r["cdc_op"] == "r"]
     update = next(r for r in rows if r["cdc_op"] == "u")
@@ -528,15 +763,28 @@ def test_a_snapshot_read_arriving_after_a_newer_change_does_not_win(
     assert stale["cdc_lsn"] <= update["cdc_lsn"]  # the same LSN: the read is older
     # The read is the row as of its (older) position: by arrival it would undo the update.
     assert stale["balance"] == update["balance"] + 1
-    resnapshot = lake.phases["re-snapshot"]
-    assert resnapshot.current[variant][4]["balance"] == update["balance"]
-    assert resnapshot.current[variant] == resnapshot.source
+    after = _phase(lake, variant, "re-snapshot" if variant == SENSORS else LAST[variant])
+    assert after.current[4]["balance"] == update["balance"]
+    assert after.current == after.source
 
 
 def test_a_column_added_to_the_source_appears_once_the_spec_names_it(lake: Lake) -> None:
-    before, after = lake.phases["column added"], lake.phases[COLUMN_IN_SPEC]
-    assert "tier" not in before.source[1] and "tier" not in before.current["none"][1]
+    """By hand: the backfill with the spec as it was has no such column; once the spec names
+    it, every hour again: the source's values."""
+    before = _phase(lake, BY_HAND, EVERY_PHASE)
+    after = _phase(lake, BY_HAND, COLUMN_IN_SPEC)
+    assert "tier" not in before.source[1] and "tier" not in before.current[1]
     tiers = {i: row["tier"] for i, row in after.source.items()}
     assert tiers[1] == "gold" and tiers[7] == "silver" and tiers[4] is None
-    for variant in VARIANTS:
-        assert {i: row["tier"] for i, row in after.current[variant].items()} == tiers
+    assert {i: row["tier"] for i, row in after.current.items()} == tiers
+
+
+def test_a_column_the_spec_names_ahead_appears_under_the_sensors(lake: Lake) -> None:
+    """The sensors' spec names the column before the source has it: the phase that adds it
+    shows it in the current state without any run by hand."""
+    before = _phase(lake, SENSORS, "re-snapshot")
+    after = _phase(lake, SENSORS, "column added")
+    assert "tier" not in before.source[1]
+    tiers = {i: row["tier"] for i, row in after.source.items()}
+    assert tiers[1] == "gold" and tiers[7] == "silver" and tiers[4] is None
+    assert {i: row["tier"] for i, row in after.current.items()} == tiers

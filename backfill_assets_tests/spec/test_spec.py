@@ -392,3 +392,32 @@ def test_avro_topic_refuses_json_versioning(tmp_path: Path, over: dict[str, Any]
     field = next(iter(over))
     error = _error(_save(tmp_path, {"topics": [_avro_topic(**over)]}))
     assert f"{field}: an avro topic has none; each record names its writer schema" in error
+
+
+def test_the_debezium_spec_to_copy_loads_beside_the_shipped_topics(tmp_path: Path) -> None:
+    """docs/cdc.md's spec entry for a Debezium table, added to the shipped topics.yaml, loads
+    as the Definitions load it (its ``decimal(12,2)`` column in the relations every current-
+    state rule and declared table is checked against: a KeyError before); and a declared
+    table may select a decimal column as ``decimal(p,s)``."""
+    text = (Path(__file__).parents[2] / "docs" / "cdc.md").read_text()
+    block = text.split("### Adding a Debezium table", 1)[1].split("```yaml\n", 1)[1]
+    (entry,) = yaml.safe_load(block.split("```", 1)[0])
+    doc = yaml.safe_load(SPEC_PATH.read_text())
+    doc["topics"].append(entry)
+    specs = load_specs(_save(tmp_path, doc))
+    assert specs[-1].topic == "shop.public.accounts" and specs[-1].envelope == "debezium"
+    table = {
+        "name": "orders_amounts",
+        "sql": (
+            "SELECT event_time, CAST(amount_minor AS DECIMAL(12,2)) AS amount FROM orders "
+            "WHERE event_time >= {start} AND event_time < {end}"
+        ),
+        "event_time": "event_time",
+        "grain": ["event_time"],
+        "columns": [
+            {"name": "event_time", "type": "timestamp", "nullable": False},
+            {"name": "amount", "type": "decimal(12,2)"},
+        ],
+    }
+    doc["topics"][0]["tables"].append(table)
+    assert load_specs(_save(tmp_path, doc))[0].tables[-1].name == "orders_amounts"

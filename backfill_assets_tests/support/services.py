@@ -34,15 +34,7 @@ def dagster_services(
 
     Both load workspace.yaml exactly as `dg dev` does; runs they launch are subprocesses that
     inherit ``env`` (so they reach the caller's broker and catalog)."""
-    import dagster as dg
-
-    home.mkdir(parents=True, exist_ok=True)
-    shutil.copy(dagster_yaml or REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
-    # Create the SQLite storage once, before the services: the webserver, the daemon and their
-    # code servers all open it at start-up, and concurrent first-time creation can stamp
-    # alembic_version twice ("more than one head present"), which fails the code location.
-    with dg.DagsterInstance.from_config(str(home)):
-        pass
+    _prepare(home, dagster_yaml)
     port = free_port()
     logs = home / "services.log"
     procs = _start(home, {**env, "DAGSTER_HOME": str(home)}, port, logs)
@@ -54,15 +46,45 @@ def dagster_services(
         _stop(procs)
 
 
-def _start(home: Path, env: dict[str, str], port: int, logs: Path) -> list[subprocess.Popen[bytes]]:
+@contextmanager
+def dagster_daemon(
+    home: Path, env: dict[str, str], dagster_yaml: Path | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Start the daemon alone (no webserver: a test that only reads the instance saves its
+    start on busy cores) on the instance in ``home``, as :func:`dagster_services` does; yield
+    its process (the caller's waits check that it still runs); stop it by its PID."""
+    _prepare(home, dagster_yaml)
+    procs = _start(home, {**env, "DAGSTER_HOME": str(home)}, None, home / "services.log")
+    try:
+        yield procs[0]
+    finally:
+        _stop(procs)
+
+
+def _prepare(home: Path, dagster_yaml: Path | None) -> None:
+    import dagster as dg
+
+    home.mkdir(parents=True, exist_ok=True)
+    shutil.copy(dagster_yaml or REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
+    # Create the SQLite storage once, before the services: the webserver, the daemon and their
+    # code servers all open it at start-up, and concurrent first-time creation can stamp
+    # alembic_version twice ("more than one head present"), which fails the code location.
+    with dg.DagsterInstance.from_config(str(home)):
+        pass
+
+
+def _start(
+    home: Path, env: dict[str, str], port: int | None, logs: Path
+) -> list[subprocess.Popen[bytes]]:
+    """The daemon, and with a ``port`` the webserver first."""
     bin_dir = Path(sys.executable).parent
     webserver = [str(bin_dir / "dagster-webserver"), "-w", "workspace.yaml", "-h", "127.0.0.1"]
+    commands = [[str(bin_dir / "dagster-daemon"), "run", "-w", "workspace.yaml"]]
+    if port is not None:
+        commands.insert(0, [*webserver, "-p", str(port)])
     procs = []
     with logs.open("ab") as log:
-        for cmd in (
-            [*webserver, "-p", str(port)],
-            [str(bin_dir / "dagster-daemon"), "run", "-w", "workspace.yaml"],
-        ):
+        for cmd in commands:
             procs.append(
                 subprocess.Popen(
                     cmd,
