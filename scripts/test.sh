@@ -37,7 +37,7 @@ echo "== pytest (default tier)"
 # time would end past the budget is skipped, and says so, instead of the whole run being cut
 # off at the limit. The worst times (seconds, the cluster tier with its production-shaped
 # stack) are about 1.5x the slowest runs measured (docs/ci.md).
-declare -A worst_s=([convergence]=900 [cluster]=1500 [browser]=180 [slow]=1800 [faults]=1000 [cdc]=480)
+declare -A worst_s=([convergence]=900 [cluster]=1500 [browser]=180 [slow]=1800 [faults]=1000 [cdc]=600)
 for tier in $tiers; do
   if [ -n "${BACKFILL_TIERS_BUDGET_S:-}" ] \
     && [ $((SECONDS + ${worst_s[$tier]:-0})) -gt "$BACKFILL_TIERS_BUDGET_S" ]; then
