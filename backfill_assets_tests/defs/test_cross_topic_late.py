@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import dagster as dg
+import pytest
 from confluent_kafka import Producer
 
 from backfill_assets.defs.assets import build_topic_assets
@@ -98,6 +99,8 @@ def _status_reader(a: str, b: str, name: str) -> TableSpec:
     )
 
 
+# slow tier (CI runs it): ~36 s; the default tier stays under 15 minutes.
+@pytest.mark.slow
 def test_late_records_on_a_topic_make_tables_declared_elsewhere_due(
     stack_settings: Settings, spark_session: SparkSession
 ) -> None:

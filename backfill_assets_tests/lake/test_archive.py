@@ -129,6 +129,8 @@ def _failure_message(result: dg.ExecuteInProcessResult) -> str:
     return " | ".join(messages)
 
 
+# slow tier (CI runs it): ~38 s; the default tier stays under 15 minutes.
+@pytest.mark.slow
 def test_archive_delete_then_hybrid_backfill_matches(
     world: World, stack_settings: Settings, spark_session: SparkSession
 ) -> None:
