@@ -409,6 +409,23 @@ class Setting:
     secret: bool
 
 
+# The file Dagster's webserver, daemon and code servers read when they start (from their
+# working directory), and the command line reads as they do (:func:`env_file_values`).
+ENV_FILE = ".env"
+
+
+def env_file_values(directory: Path | None = None) -> dict[str, str]:
+    """The variables of ``directory``'s ``.env`` file (default: the current directory), parsed
+    as Dagster parses it (python-dotenv; a name without a value is skipped). Dagster's processes
+    let the file's values win over the environment they inherit; so does the command line."""
+    path = (Path.cwd() if directory is None else directory) / ENV_FILE
+    if not path.is_file():
+        return {}
+    from dotenv import dotenv_values
+
+    return {name: value for name, value in dotenv_values(path).items() if value is not None}
+
+
 MASK = "***"
 # Secrets inside other values: a URL's password (scheme://user:PASSWORD@host), a parameter
 # such as Spark Connect's ``;token=...``, and a JSON value whose key names a secret

@@ -125,7 +125,7 @@ def test_the_table_and_the_json_list_the_same_settings(
     for row in rows:
         assert row["variable"] in out
     assert re.search(r"BACKFILL_SENSORS\s+off\s+on\s+environment", out)
-    assert re.search(rf"\n{len(rows)} settings; [1-9][0-9]* set \(environment or cli\)", out)
+    assert re.search(rf"\n{len(rows)} settings; [1-9][0-9]* set \(environment, .env or cli\)", out)
 
 
 def test_a_variable_the_cli_sets_says_so(
@@ -151,3 +151,45 @@ def test_an_invalid_setting_exits_2_naming_it(
     assert "BACKFILL_SPARK_SHUFFLE_PARTITIONS='many' is not a whole number" in (
         capsys.readouterr().err
     )
+
+
+def test_the_current_directorys_env_file_is_read_as_dagster_reads_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A .env beside the code location: the command reads it as Dagster's webserver, daemon and
+    code servers started there do (the same parse, its values winning over the environment),
+    says which values came from it, and leaves the environment as it was."""
+    from dagster._core.secrets.env_file import get_env_var_dict  # Dagster's own reader
+
+    (tmp_path / ".env").write_text(
+        "# the team's settings\n"
+        "BACKFILL_KAFKA_PORT=29092\n"
+        'export BACKFILL_SENSORS="off"\n'
+        f"BACKFILL_KAFKA_SASL_PASSWORD={SECRET}\n"
+        "BACKFILL_SPEC\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("BACKFILL_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("BACKFILL_KAFKA_PORT", "39092")
+    monkeypatch.delenv("BACKFILL_SENSORS", raising=False)
+    monkeypatch.delenv("BACKFILL_SPEC", raising=False)
+    assert cli.main(["settings", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert SECRET not in out
+    rows = {r["variable"]: r for r in json.loads(out)["settings"]}
+    read = {name: rows[name]["value"] for name in get_env_var_dict(str(tmp_path))}
+    assert read == {
+        "BACKFILL_KAFKA_PORT": "29092",
+        "BACKFILL_SENSORS": "off",
+        "BACKFILL_KAFKA_SASL_PASSWORD": "***",
+    }
+    assert {rows[name]["source"] for name in read} == {".env"}
+    assert (rows["BACKFILL_SPEC"]["value"], rows["BACKFILL_SPEC"]["source"]) == (None, "default")
+    assert (rows["BACKFILL_HOME"]["source"], rows["BACKFILL_KAFKA_CONTROLLER_PORT"]["value"]) == (
+        "environment",
+        "29093",
+    )
+    import os
+
+    assert os.environ["BACKFILL_KAFKA_PORT"] == "39092"
+    assert "BACKFILL_SENSORS" not in os.environ

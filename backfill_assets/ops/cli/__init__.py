@@ -45,7 +45,7 @@ from backfill_assets.ops.cli import (
 )
 from backfill_assets.ops.cli.common import Exit
 from backfill_assets.ops.cli.output import Ui
-from backfill_assets.stack.settings import REPO_ROOT
+from backfill_assets.stack.settings import REPO_ROOT, env_file_values
 
 __all__ = ["AnticipatedError", "Exit", "Ui", "cli", "main"]
 
@@ -111,6 +111,25 @@ def dagster_home_defaults(
 
 
 @contextlib.contextmanager
+def _env_file() -> Iterator[frozenset[str]]:
+    """The current directory's ``.env`` in ``os.environ`` while a command runs, its values
+    winning over the environment, as Dagster's webserver, daemon and code servers load it (so a
+    command and the code location started from the same directory read the same settings);
+    then as before. Yields the names it set."""
+    values = env_file_values()
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield frozenset(values)
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
 def _dagster_home() -> Iterator[frozenset[str]]:
     """:func:`dagster_home_defaults` in ``os.environ`` while a command runs, then as before;
     yields the names of the variables it set."""
@@ -147,8 +166,11 @@ def _version() -> str:
 def cli(ctx: click.Context, debug: bool) -> None:
     """Safe Kafka -> Iceberg backfills with Dagster.
 
-    The Dagster instance is $DAGSTER_HOME's; when it is unset, the current directory's or else
-    the repository's dagster.yaml, with its storage in $BACKFILL_HOME/dagster (.stack/dagster).
+    Settings are read from the environment and from a .env file in the current directory, whose
+    values win, as Dagster's webserver, daemon and code servers read it (`backfill-assets
+    settings` shows each one's source). The Dagster instance is $DAGSTER_HOME's; when it is
+    unset, the current directory's or else the repository's dagster.yaml, with its storage in
+    $BACKFILL_HOME/dagster (.stack/dagster).
 
     \b
     Exit status:
@@ -164,6 +186,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
       5  an unexpected error (a bug): one line names it; --debug shows the traceback
       130  interrupted (Ctrl-C)
     """
+    ctx.meta[settings.ENV_FILE_SET] = ctx.with_resource(_env_file())
     ctx.meta[settings.CLI_SET] = ctx.with_resource(_dagster_home())
 
 
