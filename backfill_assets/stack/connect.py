@@ -154,15 +154,22 @@ class LocalConnectServer(process.Server[ConnectStatus]):
 
     def env(self) -> dict[str, str]:
         """The server's environment. The pre-shared token travels here (Spark reads
-        ``SPARK_CONNECT_AUTHENTICATE_TOKEN``), never in its command line or properties file."""
+        ``SPARK_CONNECT_AUTHENTICATE_TOKEN``), never in its command line or properties file.
+
+        Bound to loopback (the default), the server's driver is on 127.0.0.1 too; bound to
+        another address (a pod's, or 0.0.0.0), the driver binds and advertises the host's own
+        address (Spark's default: its resolved host name), which executors on other hosts reach."""
         env = {
             **os.environ,
             "SPARK_HOME": str(spark_home()),
             # The Python of UDFs (mapInPandas, pandera) is the server's PYSPARK_PYTHON, not a
             # client's: spark.pyspark.python in the properties alone is not enough.
             "PYSPARK_PYTHON": sys.executable,
-            "SPARK_LOCAL_IP": "127.0.0.1",
         }
+        if self.settings.spark_connect_bind.startswith("127."):
+            env["SPARK_LOCAL_IP"] = "127.0.0.1"
+        else:
+            env.pop("SPARK_LOCAL_IP", None)
         env.pop(TOKEN_ENV, None)
         if self.settings.spark_connect_token:
             env[TOKEN_ENV] = self.settings.spark_connect_token

@@ -26,7 +26,7 @@ from click.testing import CliRunner
 from backfill_assets.demo.generator import GeneratorConfig, generate
 from backfill_assets.stack.connect import LocalConnectServer
 from backfill_assets.stack.registry import LocalRegistry
-from backfill_assets.stack.settings import Settings
+from backfill_assets.stack.settings import REPO_ROOT, Settings
 from backfill_assets_tests.support import services
 
 if TYPE_CHECKING:
@@ -326,3 +326,24 @@ def test_unreachable_connect_server_is_a_settings_error(
         or not iceberg_catalog.load_table(ident).metadata.snapshots
     )
     assert out["java_children"] == []
+
+
+@pytest.mark.parametrize(
+    ("bind", "local_ip"), [("127.0.0.1", "127.0.0.1"), ("0.0.0.0", None), ("10.1.2.3", None)]
+)
+def test_the_driver_stays_on_loopback_only_when_the_server_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bind: str, local_ip: str | None
+) -> None:
+    """A server bound to another address (a pod's) is the driver of executors on other hosts:
+    its driver must not be pinned to 127.0.0.1, whatever the caller's environment says."""
+    monkeypatch.setenv("SPARK_LOCAL_IP", "127.0.0.1")
+    settings = Settings.from_env(
+        {
+            "BACKFILL_HOME": str(tmp_path),
+            "BACKFILL_JAR_CACHE": str(REPO_ROOT / ".stack" / "jars"),
+            "BACKFILL_SPARK_CONNECT_BIND": bind,
+        }
+    )
+    server = LocalConnectServer(settings)
+    assert server.env().get("SPARK_LOCAL_IP") == local_ip
+    assert server.properties()["spark.connect.grpc.binding.address"] == bind
