@@ -6,8 +6,11 @@ history, then materializes what ``backfill-assets backfill`` materializes for on
 current state, declared tables whose hours settled) in this process, with Dagster's
 ``materialize``: hour 0 (creates the tables) and hour 1 unprofiled, hour 2 under cProfile.
 Prints each run's seconds, then the project's functions by cumulative time and the Spark
-calls each one made (Connect mode: time waiting on the server). No webserver or daemon: the
-launch, queue and run-process phases are bench/latency.py's.
+calls each one made (Connect mode: time waiting on the server). Over Connect it also counts the
+profiled hour's Spark round trips (each ExecutePlan, AnalyzePlan and Config request the client
+sends: an action, a schema or metadata question, a session setting) per asset and per calling
+function of the project. No webserver or daemon: the launch, queue and run-process phases are
+bench/latency.py's.
 
 Run from the repository root (jars resolved by scripts/bootstrap.sh):
     .venv/bin/python bench/profile_run.py              # runs as Spark Connect thin clients
@@ -17,6 +20,7 @@ Run from the repository root (jars resolved by scripts/bootstrap.sh):
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import os
 import pstats
@@ -46,6 +50,75 @@ SPARK_CALLS = (
     "columns",
     "createOrReplaceTempView",
 )
+
+
+# The requests of one Spark Connect round trip each (a reattach or release belongs to the
+# execution it continues and is counted apart).
+ROUND_TRIPS = ("ExecutePlan", "AnalyzePlan", "Config")
+ASSET_STEPS = {"_raw": "raw", "_current": "current", "_declared": "declared"}
+
+
+class RoundTrips:
+    """Counts the Spark Connect requests the client sends, by asset step and by the project's
+    innermost function on the stack, while ``on``."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.by_asset: collections.Counter[str] = collections.Counter()
+        self.by_caller: collections.Counter[str] = collections.Counter()
+        self.other: collections.Counter[str] = collections.Counter()
+
+    def install(self) -> None:
+        """Wrap every stub the Connect client makes from now on."""
+        from pyspark.sql.connect.client import core
+
+        base = core.grpc_lib.SparkConnectServiceStub
+        counter = self
+
+        class Counting(base):  # type: ignore[misc,valid-type]
+            def __init__(self, channel: Any) -> None:
+                super().__init__(channel)
+                for name in (*ROUND_TRIPS, "ReattachExecute", "ReleaseExecute"):
+                    setattr(self, name, counter.wrap(name, getattr(self, name)))
+
+        core.grpc_lib.SparkConnectServiceStub = Counting
+
+    def wrap(self, name: str, call: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.on:
+                self.record(name)
+            return call(*args, **kwargs)
+
+        return counted
+
+    def record(self, name: str) -> None:
+        if name not in ROUND_TRIPS:
+            self.other[name] += 1
+            return
+        frame: Any = sys._getframe(2)
+        caller, asset = None, "other"
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if "backfill_assets/" in path and "/bench/" not in path:
+                if caller is None:
+                    caller = f"{path.split('backfill_assets/')[-1]}:{frame.f_code.co_name}"
+                if path.endswith("defs/assets.py") and frame.f_code.co_name in ASSET_STEPS:
+                    asset = ASSET_STEPS[frame.f_code.co_name]
+                    break
+            frame = frame.f_back
+        self.by_asset[asset] += 1
+        self.by_caller[f"{asset:8s} {name:11s} {caller or '(outside the package)'}"] += 1
+
+    def report(self) -> None:
+        total = sum(self.by_asset.values())
+        print(f"Spark Connect round trips of the profiled hour: {total}")
+        for asset, n in sorted(self.by_asset.items()):
+            print(f"  {asset:8s} {n:4d}")
+        print("  by asset, request and the project's innermost function:")
+        for label, n in self.by_caller.most_common():
+            print(f"    {n:4d}  {label}")
+        if self.other:
+            print(f"  not counted above: {dict(self.other)}")
 
 
 def spark_calls(stats: pstats.Stats, top: int) -> list[tuple[float, int, str]]:
@@ -100,8 +173,10 @@ def main() -> None:
     broker = LocalBroker(settings)
     broker.start()
     server: Any = None
+    trips = RoundTrips()
     try:
         if not args.classic:
+            trips.install()
             from backfill_assets.stack.connect import LocalConnectServer
 
             server = LocalConnectServer(Settings.from_env())
@@ -138,9 +213,11 @@ def main() -> None:
         print(f"hour 0 (creates the tables): {one(0):.1f} s", flush=True)
         print(f"hour 1: {one(1):.1f} s", flush=True)
         profile = cProfile.Profile()
+        trips.on = True
         profile.enable()
         seconds = one(2)
         profile.disable()
+        trips.on = False
         print(f"hour 2 (profiled): {seconds:.1f} s, load {os.getloadavg()[0]:.1f}\n")
         if args.save:
             profile.dump_stats(str(args.save))
@@ -149,6 +226,8 @@ def main() -> None:
         print("Spark calls made by the project's code (seconds, calls):")
         for cumulative, calls, label in spark_calls(stats, args.top):
             print(f"  {cumulative:7.2f} {calls:3d}  {label}")
+        if not args.classic:
+            trips.report()
     finally:
         from pyspark.sql import SparkSession
 
