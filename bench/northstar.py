@@ -12,8 +12,12 @@ The hostile plan is produced asynchronously (each producer's records in plan ord
 interleaved as the broker receives them; the truth from the delivery reports) in transactions
 of 1..``--transaction-records``; ``--acked`` uses hostile.produce itself (a record
 acknowledged before the next: ~150 records/s here). ``--generate-only`` stops after that.
-The plan and the truth are Python objects (~0.9 KiB per record: ~9 GiB at 10 M records), and
-the truth's tables are computed in Python after the backfill (~1-2 min per million records).
+The plan is Python objects while the history is generated (~0.9 KiB per record: ~9 GiB at 10 M
+records); the truth is then kept as columns: truth.parquet is read a batch at a time into the
+records' light columns (position, timestamp, event id, committed, hash; no key or value), and
+every table's truth is computed and compared as Arrow tables
+(backfill_assets_tests/support/columnar_truth.py, checked against hostile.py's rules by
+backfill_assets_tests/lake/test_columnar_truth.py).
 
 Each run then, on fresh tables (a new catalog namespace; the Dagster instance in ``--home`` is
 kept, so a later run's planner has the earlier runs as history, as an operator's stack has):
@@ -27,8 +31,9 @@ kept, so a later run's planner has the earlier runs as history, as an operator's
 3. wall end to end (click -> last materialization), records/s, seconds per asset from the runs'
    step events, refusals (failed runs, failed blocking checks), the prediction's error, and the
    peak RSS (VmHWM) of the run worker processes and their Spark JVMs, sampled from /proc;
-4. every table compared with the ground truth (PASS/FAIL per table; exit status 1 on a FAIL or
-   a refusal), and one markdown summary row for bench/README.md.
+4. every table compared with the ground truth (PASS/FAIL per table, naming the missing, extra,
+   duplicated and differing keys; exit status 1 on a FAIL or a refusal), the benchmark's own
+   peak RSS (VmHWM), and one markdown summary row for bench/README.md.
 
 The issue 31 goals: <= 5 min wall, 0 refusals, every table exact, driver RSS 10x/1x <= 1.2x
 (run ``--days 3`` and ``--days 30`` into two homes), prediction within +-25%.
@@ -61,8 +66,11 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import latency  # bench/latency.py: the services and the phase breakdown
+import numpy as np
+import pyarrow as pa
 
 from backfill_assets.demo.generator import HOUR_MS, _wait_for_topic, partition_for
+from backfill_assets_tests.support import columnar_truth as ct
 from backfill_assets_tests.support import hostile
 from backfill_assets_tests.support.services import dagster_services, free_port
 
@@ -92,29 +100,10 @@ BAD_PAYLOADS = (
 
 @dataclasses.dataclass
 class History:
-    truth: hostile.HostileTruth
+    truth: ct.Truth  # the records' light columns, read from truth.parquet
     bad: set[tuple[int, int]]  # positions of the bad records (quarantined, not in the raw table)
     records: int
     generated_s: float
-
-
-def _truth_to_parquet(truth: hostile.HostileTruth, path: Path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    names = [f.name for f in dataclasses.fields(hostile.HostileRecord)]
-    columns = {n: [getattr(r, n) for r in truth.records] for n in names}
-    pq.write_table(pa.table(columns), path)
-
-
-def _truth_from_parquet(topic: str, partitions: int, path: Path) -> hostile.HostileTruth:
-    import pyarrow.parquet as pq
-
-    records = []
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=65_536):
-        # A batch at a time: 10 M rows as dicts at once came beside the records themselves.
-        records.extend(hostile.HostileRecord(**row) for row in batch.to_pylist())
-    return hostile.HostileTruth(topic=topic, partitions=partitions, records=tuple(records))
 
 
 class _Reports(list[tuple[Any, int]]):
@@ -304,10 +293,10 @@ def generate_history(settings: Settings, args: argparse.Namespace, home: Path) -
         hostile.add_partitions(settings, "orders", args.partitions)
         phases.append(_produce(settings, args, config, plan, mid, hours - 1))
         _wait_stable("orders")
-    truth = hostile.merge(*phases)
     seconds = time.monotonic() - began
-    _truth_to_parquet(truth, home / "truth.parquet")
-    return History(truth, {r.position for r in bad}, len(truth.records), seconds)
+    records = ct.write(hostile.merge(*phases).records, home / "truth.parquet")
+    del phases, plan  # the objects: from here on the truth is columns
+    return History(ct.read(home / "truth.parquet"), {r.position for r in bad}, records, seconds)
 
 
 # --------------------------------------------------------------------------------------------
@@ -465,72 +454,14 @@ def launch_range(
 # --------------------------------------------------------------------------------------------
 
 
-def _arrow(cat: Any, namespace: str, table: str) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = (
-        cat.load_table(f"{namespace}.{table}").scan().to_arrow().to_pylist()
-    )
-    return rows
-
-
-def _columns(cat: Any, namespace: str, table: str, *fields: str) -> list[list[Any]]:
-    """Only ``fields`` of a table, one Python list per field, timestamps as epoch millis (UTC).
-    A 30-day raw table read whole as one dict per row took more than this machine's 24 GiB
-    beside the truth (eighth pass of bench/README)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    data = cat.load_table(f"{namespace}.{table}").scan(selected_fields=fields).to_arrow()
-    out = []
-    for name in fields:
-        column = data.column(name)
-        if pa.types.is_timestamp(column.type):
-            column = pc.cast(pc.cast(column, pa.timestamp("ms"), safe=False), pa.int64())
-        out.append(column.to_pylist())
-    del data
-    return out
-
-
-def _judge_raw(cat: Any, namespace: str, table: str, want: dict[Any, Any]) -> str:
-    """PASS or FAIL of the raw table against ``want`` ((partition, offset) -> (hour ms, timestamp
-    ms, record hash)), read a batch at a time and popped from ``want`` (emptied): the 30-day
-    table as one Python dict beside the truth and ``want`` came near this machine's 24 GiB."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    fields = ("kafka_partition", "kafka_offset", "kafka_hour", "kafka_timestamp", "record_hash")
-    expected, extra, differ = len(want), [], []
-    scan = cat.load_table(f"{namespace}.{table}").scan(selected_fields=fields)
-    for batch in scan.to_arrow_batch_reader():
-        columns = []
-        for name in fields:
-            column = batch.column(name)
-            if pa.types.is_timestamp(column.type):
-                column = pc.cast(pc.cast(column, pa.timestamp("ms"), safe=False), pa.int64())
-            columns.append(column.to_pylist())
-        for p, o, h, t, x in zip(*columns, strict=True):
-            key = (p, o)
-            got = (h, t, x)
-            if key not in want:
-                extra.append(key)  # not produced, or a position twice (popped by the first)
-            elif want.pop(key) != got:
-                differ.append(key)
-    missing = sorted(want)
-    want.clear()
-    if not (missing or extra or differ):
-        return f"PASS ({expected:,} rows)"
-    return (
-        f"FAIL: missing {len(missing)} {missing[:3]}, extra {len(extra)} {sorted(extra)[:3]}, "
-        f"differ {len(differ)} {sorted(differ)[:3]}"
-    )
-
-
-def _utc(value: datetime) -> datetime:
-    """Iceberg ``timestamp`` (no zone) columns come back naive: they hold UTC."""
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+def _table(cat: Any, namespace: str, table: str, fields: list[str]) -> pa.Table:
+    """Only ``fields`` of a table, timestamps as epoch millis (UTC), integers as int64."""
+    scan = cat.load_table(f"{namespace}.{table}").scan(selected_fields=tuple(fields))
+    return ct.epoch_ms(scan.to_arrow())
 
 
 def _ms(value: datetime) -> int:
-    return int(_utc(value).timestamp() * 1000)
+    return int(value.astimezone(UTC).timestamp() * 1000)
 
 
 def verify(
@@ -542,109 +473,51 @@ def verify(
     end: datetime,
     table_ends: dict[str, datetime],
 ) -> dict[str, str]:
-    """PASS or FAIL (with what differs) per table."""
+    """PASS or FAIL (with what differs) per table, every table against its columnar truth."""
     truth = history.truth
-    hours = [first + timedelta(hours=h) for h in range(int((end - first) / timedelta(hours=1)))]
-    expected_hour = hostile.hour_of(truth, hours)
-    by_position = truth.by_position()
-    published = dataclasses.replace(
-        truth,
-        records=tuple(
-            r
-            for r in truth.records
-            if r.committed and r.position in expected_hour and r.position not in history.bad
-        ),
-    )
-    result = {}
-
-    def judge(name: str, got: Any, want: Any) -> None:
-        if got == want:
-            result[name] = f"PASS ({len(want):,} rows)"
-            return
-        if isinstance(got, dict) and isinstance(want, dict):
-            diff = [k for k in set(got) | set(want) if got.get(k) != want.get(k)]
-            result[name] = f"FAIL: {len(diff):,} keys differ, e.g. {sorted(diff, key=str)[:3]}"
-        else:
-            missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-            result[name] = f"FAIL: missing {len(missing)} {missing[:3]}, extra {len(extra)}"
-
-    result[spec.raw_table] = _judge_raw(
-        cat,
-        namespace,
-        spec.raw_table,
-        {
-            pos: (
-                _ms(expected_hour[pos]),
-                by_position[pos].timestamp_ms,
-                hostile.record_hash(*pos, by_position[pos].key, by_position[pos].value),
-            )
-            for pos in expected_hour
-            if pos not in history.bad
-        },
-    )
-    quarantined = set(
-        zip(
-            *_columns(cat, namespace, spec.quarantine_table, "kafka_partition", "kafka_offset"),
-            strict=True,
+    hours = int((end - first) / timedelta(hours=1))
+    exp = ct.expected(truth, _ms(first), hours, history.bad)
+    position = ["kafka_partition", "kafka_offset"]
+    want = ct.raw(truth, exp)
+    result = {
+        spec.raw_table: ct.compare(
+            _table(cat, namespace, spec.raw_table, want.column_names), want, position
         )
-    )
-    judge(spec.quarantine_table, quarantined, {p for p in history.bad if p in expected_hour})
-
-    expected = hostile.expected_current(published)
-    judge(
-        spec.current_table,
+    }
+    del want
+    hit = (exp.hour >= 0) & np.isin(truth.keys(), ct.keys_of(history.bad))
+    quarantined = pa.table(
         {
-            k: (d, p, o)
-            for k, d, p, o in zip(
-                *_columns(
-                    cat,
-                    namespace,
-                    spec.current_table,
-                    "order_id",
-                    "deleted",
-                    "kafka_partition",
-                    "kafka_offset",
-                ),
-                strict=True,
-            )
-        },
-        {k: (row.deleted, row.record.partition, row.record.offset) for k, row in expected.items()},
+            "kafka_partition": pa.array(truth.column("partition")[hit], pa.int64()),
+            "kafka_offset": pa.array(truth.column("offset")[hit], pa.int64()),
+        }
+    )
+    result[spec.quarantine_table] = ct.compare(
+        _table(cat, namespace, spec.quarantine_table, position), quarantined, position
+    )
+    want = ct.current(truth, exp)
+    result[spec.current_table] = ct.compare(
+        _table(cat, namespace, spec.current_table, want.column_names), want, ["order_id"]
     )
     for name, table_end in table_ends.items():
-        judge(name, *_declared(cat, namespace, name, published, first, table_end))
+        result[name] = _declared(cat, namespace, name, exp, _ms(first), _ms(table_end))
     return result
 
 
 def _declared(
-    cat: Any,
-    namespace: str,
-    name: str,
-    published: hostile.HostileTruth,
-    first: datetime,
-    end: datetime,
-) -> tuple[Any, Any]:
-    """(got, want) of a declared table of ``orders`` (their SQL is in spec/tables)."""
-    rows = _arrow(cat, namespace, name)
+    cat: Any, namespace: str, name: str, exp: ct.Expected, first_ms: int, end_ms: int
+) -> str:
+    """PASS or FAIL of a declared table of ``orders`` (their SQL is in spec/tables)."""
     if name == "orders_hourly":
-        got = {
-            (_utc(r["event_hour"]), r["currency"]): hostile.HourlyFigures(
-                r["events"], r["orders"], r["amount_minor"], r["cancelled"]
-            )
-            for r in rows
-        }
-        want = {k: v for k, v in hostile.expected_hourly(published).items() if first <= k[0] < end}
-        return got, want
-    if name == "orders_large_paid":
-        cols = ("event_id", "order_id", "customer_id", "amount_minor", "currency")
-        got_set = {(*(r[c] for c in cols), _ms(r["event_time"])) for r in rows}
-        want_set = set()
-        for record in hostile.events(published).values():
-            p = record.payload()
-            at = hostile.ms_to_datetime(int(p["event_time"]))
-            if p["status"] == "paid" and p["amount_minor"] >= 50_000 and first <= at < end:
-                want_set.add((*(p[c] for c in cols), int(p["event_time"])))
-        return got_set, want_set
-    raise SystemExit(f"no ground truth for declared table {name}: add one to bench/northstar.py")
+        want, keys = ct.hourly(exp, first_ms, end_ms), ["event_hour", "currency"]
+    elif name == "orders_large_paid":
+        want = ct.large_paid(exp, first_ms, end_ms)
+        keys = want.column_names  # compared as a set of rows
+    else:
+        raise SystemExit(
+            f"no ground truth for declared table {name}: add one to bench/northstar.py"
+        )
+    return ct.compare(_table(cat, namespace, name, want.column_names), want, keys)
 
 
 # --------------------------------------------------------------------------------------------
@@ -694,7 +567,7 @@ def _history(
     settings: Settings, args: argparse.Namespace, home: Path, state: dict[str, Any], path: Path
 ) -> History:
     if "records" in state:
-        truth = _truth_from_parquet("orders", args.partitions, home / "truth.parquet")
+        truth = ct.read(home / "truth.parquet")
         bad = {(p, o) for p, o in state["bad"]}
         print(
             f"reusing {state['records']:,} records ({home}), generated in "
@@ -914,6 +787,10 @@ def main() -> None:
         f"({len(peaks['python'])} worker(s), {len(peaks['jvm'])} child process(es))"
     )
     print(f"refusals: {len(refusals)}" + "".join(f"\n  {r}" for r in refusals))
+    bench_mib = _vm_hwm_kib(os.getpid()) / 1024
+    print(
+        f"peak RSS of this benchmark's own process (VmHWM: truth, comparison): {bench_mib:,.0f} MiB"
+    )
     print("tables against the ground truth:")
     for name, verdict in checks.items():
         print(f"  {name}: {verdict}")
@@ -924,14 +801,14 @@ def main() -> None:
     )
     print(
         "| days x partitions | records | predicted s | wall s | error | records/s | runs | "
-        "refusals | tables exact | python MiB | JVM MiB |"
+        "refusals | tables exact | python MiB | JVM MiB | bench MiB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print(
         f"| {args.days} x {args.partitions} | {plan.records:,} | {plan.predicted_duration_s:.1f} "
         f"| **{wall:.1f}** | {100 * error:+.0f}% | {plan.records / wall:,.0f} | "
         f"{phases['runs']} | {len(refusals)} | {sum(v.startswith('PASS') for v in checks.values())}"
-        f"/{len(checks)} | {python_mib:,.0f} | {jvm_mib:,.0f} |"
+        f"/{len(checks)} | {python_mib:,.0f} | {jvm_mib:,.0f} | {bench_mib:,.0f} |"
     )
     if refusals or not exact:
         sys.exit(1)
