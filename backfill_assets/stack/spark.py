@@ -29,6 +29,10 @@ _log = logging.getLogger(__name__)
 JIT_OPTIONS = "-XX:-DontCompileHugeMethods"
 
 
+# Spark's default spark.redaction.regex, plus the catalog's credential and authorization keys.
+REDACTION_REGEX = "(?i)secret|password|token|access[.]key|credential|authorization"
+
+
 def spark_config(settings: Settings, extra: Mapping[str, object] | None = None) -> dict[str, str]:
     """Every Spark setting the project needs, as given to the session builder; ``extra``
     (the resource's ``spark_config``) comes last. Contains catalog secrets, never log it whole."""
@@ -47,6 +51,9 @@ def spark_config(settings: Settings, extra: Mapping[str, object] | None = None) 
             str(settings.spark_executor_cores) if settings.spark_executor_cores else ""
         ),
         "spark.ui.showConsoleProgress": "false",
+        # Spark's default redaction (UI, event log) misses Iceberg's `credential` property and
+        # `header.Authorization`: redact every key naming a secret the settings mask.
+        "spark.redaction.regex": REDACTION_REGEX,
         # Local runs bind the UI and driver to loopback only.
         "spark.driver.host": "127.0.0.1" if local else "",
         "spark.driver.bindAddress": "127.0.0.1" if local else "",

@@ -162,6 +162,9 @@ def test_catalog_properties_reach_both_engines_and_secrets_stay_off_the_command_
     assert spark.catalog_secrets(conf) == {
         "spark.sql.catalog.lake.credential": "client:cl13nt-s3cret"
     }
+    # Spark's UI and event log redact it (its default regex would not).
+    assert re.search(conf["spark.redaction.regex"], "spark.sql.catalog.lake.credential")
+    assert re.search(conf["spark.redaction.regex"], "spark.sql.catalog.lake.header.Authorization")
     assert "cl13nt-s3cret" not in repr(s)
     shown = {r.variable: r.value for r in listing(env)}["BACKFILL_CATALOG_PROPERTIES"]
     assert shown is not None and "cl13nt-s3cret" not in shown and '"scope": "catalog"' in shown
