@@ -19,6 +19,7 @@ labels) is unchanged, so the ground truth is built from it as for JSON.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from backfill_assets.errors import GeneratorError
@@ -45,12 +46,12 @@ def subject(topic: str) -> str:
     return f"{topic}-value"
 
 
-def register(url: str, topic: str) -> dict[int, int]:
+def register(url: str, topic: str, auth: Mapping[str, str] | None = None) -> dict[int, int]:
     """Register both versions under ``<topic>-value`` (BACKWARD compatibility); return the
     registry's schema id of each JSON schema version. Registering again returns the same ids."""
     from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 
-    client = SchemaRegistryClient({"url": url})
+    client = SchemaRegistryClient({"url": url, **(auth or {})})
     name = subject(topic)
     try:
         ids = {1: client.register_schema(name, Schema(SCHEMAS[1], "AVRO"))}
@@ -69,13 +70,13 @@ class Encoder:
     ``<topic>-value`` (both versions registered first). Planning knows nothing of Avro: the
     generator hands each planned event over (demo/generator.py, ``_encoded``)."""
 
-    def __init__(self, url: str, topic: str) -> None:
+    def __init__(self, url: str, topic: str, auth: Mapping[str, str] | None = None) -> None:
         from confluent_kafka.schema_registry import SchemaRegistryClient
         from confluent_kafka.schema_registry.avro import AvroSerializer
         from confluent_kafka.serialization import MessageField, SerializationContext
 
-        self.ids = register(url, topic)
-        client = SchemaRegistryClient({"url": url})
+        self.ids = register(url, topic, auth)
+        client = SchemaRegistryClient({"url": url, **(auth or {})})
         self._serializers = {
             v: AvroSerializer(client, text, conf={"auto.register.schemas": False})
             for v, text in SCHEMAS.items()

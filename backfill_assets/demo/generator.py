@@ -842,7 +842,7 @@ def _encoded(
         return plan
     from backfill_assets.demo.avro import Encoder
 
-    encode = Encoder(settings.schema_registry_url, config.topic)
+    encode = Encoder(settings.schema_registry_url, config.topic, settings.schema_registry_auth)
     # Malformed records keep their JSON bytes (not the wire format: quarantined), tombstones NULL.
     return [replace(r, value=encode(r)) if r.kind in ("valid", "duplicate") else r for r in plan]
 

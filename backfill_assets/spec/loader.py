@@ -87,11 +87,13 @@ def _with_registry_columns(entry: Any) -> Any:
         return entry
     subject = entry.get("subject") or f"{entry['topic']}-value"
     message = entry.get("message")
+    settings = Settings.from_env()
     columns = registry_columns.derive_columns(
         entry["format"],
         str(subject),
-        Settings.from_env().schema_registry_url,
+        settings.schema_registry_url,
         message if isinstance(message, str) else None,
+        settings.schema_registry_auth,
     )
     return {**entry, "columns": columns}
 

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets.errors import ColumnsError, RegistryUnavailable
+from backfill_assets.errors import ColumnsError, RegistryUnavailable, SettingsError
 from backfill_assets.spec import proto
 
 if TYPE_CHECKING:
@@ -79,26 +79,37 @@ class Derived:
 
 
 def derive_columns(
-    format: str, subject: str, url: str, message: str | None = None
+    format: str,
+    subject: str,
+    url: str,
+    message: str | None = None,
+    auth: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """The columns of ``subject``'s latest schema in the registry at ``url``, as topics.yaml
     holds them; :class:`ColumnsError` if a field cannot be a column or the subject is not there,
     :class:`~backfill_assets.errors.RegistryUnavailable` if the registry does not answer."""
-    derived = read_columns(format, subject, url, message)
+    derived = read_columns(format, subject, url, message, auth)
     problem = derived.problem()
     if problem is not None:
         raise ColumnsError(problem)
     return derived.columns
 
 
-def read_columns(format: str, subject: str, url: str, message: str | None = None) -> Derived:
-    """The columns of ``subject``'s latest schema and the fields that cannot be columns."""
+def read_columns(
+    format: str,
+    subject: str,
+    url: str,
+    message: str | None = None,
+    auth: Mapping[str, str] | None = None,
+) -> Derived:
+    """The columns of ``subject``'s latest schema and the fields that cannot be columns;
+    ``auth``: the registry's credentials (``Settings.schema_registry_auth``)."""
     if format not in SCHEMA_TYPES:
         raise ColumnsError(
             f"format {format!r} names no schema registry subject: only "
             f"{', '.join(SCHEMA_TYPES)} topics derive their columns; declare `columns`"
         )
-    latest = _latest(subject, url, serialized=format == "protobuf")
+    latest = _latest(subject, url, auth, serialized=format == "protobuf")
     kind = str(latest.schema.schema_type or "AVRO")
     if kind != SCHEMA_TYPES[format]:
         raise ColumnsError(
@@ -116,11 +127,14 @@ def read_columns(format: str, subject: str, url: str, message: str | None = None
     return Derived(subject, version, columns, unsupported)
 
 
-def _latest(subject: str, url: str, *, serialized: bool) -> RegisteredSchema:
+def _latest(
+    subject: str, url: str, auth: Mapping[str, str] | None, *, serialized: bool
+) -> RegisteredSchema:
     from confluent_kafka.schema_registry import SchemaRegistryClient
     from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-    registry = SchemaRegistryClient({"url": url, "timeout": 10, "max.retries": 1})
+    conf = {"url": url, "timeout": 10, "max.retries": 1, **(auth or {})}
+    registry = SchemaRegistryClient(conf)
     try:
         return registry.get_latest_version(subject, fmt="serialized" if serialized else None)
     except SchemaRegistryError as exc:
@@ -129,6 +143,8 @@ def _latest(subject: str, url: str, *, serialized: bool) -> RegisteredSchema:
                 f"subject {subject!r} is not in the schema registry at {url}: register its "
                 f"schema first (or set `subject`), or declare `columns` in topics.yaml"
             ) from None
+        if exc.http_status_code in (401, 403):
+            raise refused(url, exc.http_status_code) from None
         reason = f"{exc.http_status_code} {exc.error_message}"
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"
@@ -246,3 +262,13 @@ def _protobuf(subject: str, text: str, message: str | None) -> Fields:
         else:
             columns.append(_column(field.name, _PROTOBUF[field.type], True))
     return columns, unsupported
+
+
+def refused(url: str, status: int) -> SettingsError:
+    """The registry at ``url`` refused our credentials (HTTP ``status``): one line naming the
+    settings that hold them, never their values."""
+    return SettingsError(
+        f"BACKFILL_SCHEMA_REGISTRY_BASIC_AUTH/BACKFILL_SCHEMA_REGISTRY_TOKEN: the schema registry "
+        f"at {url} refused the request (HTTP {status}); set the registry's user:password or "
+        "bearer token (one of the two) and run again"
+    )

@@ -106,6 +106,7 @@ def pyiceberg_properties(cfg: CatalogSettings) -> dict[str, str]:
         props["type"] = "rest"
         props["uri"] = cfg.uri
     props.update(_s3_properties(cfg))
+    props.update(cfg.properties)  # BACKFILL_CATALOG_PROPERTIES: validated not to clash
     return props
 
 
@@ -132,7 +133,7 @@ def spark_properties(cfg: CatalogSettings) -> dict[str, str]:
         conf[f"{base}.uri"] = cfg.uri
     if cfg.warehouse.startswith("s3"):
         conf[f"{base}.io-impl"] = "org.apache.iceberg.aws.s3.S3FileIO"
-    for key, value in _s3_properties(cfg).items():
+    for key, value in {**_s3_properties(cfg), **cfg.properties}.items():
         conf[f"{base}.{key}"] = value
     return conf
 
@@ -141,6 +142,7 @@ def load(cfg: CatalogSettings) -> Catalog:
     """The pyiceberg catalog (created on first use for the local SQLite backend). A SQL
     catalog's database that refuses the password, or cannot be reached, is a clear error
     naming the setting (the driver's own message, without credentials)."""
+    from pyiceberg.exceptions import ForbiddenError, OAuthError, UnauthorizedError
     from sqlalchemy.exc import OperationalError
 
     init_local_catalog(cfg)
@@ -149,6 +151,29 @@ def load(cfg: CatalogSettings) -> Catalog:
         return load_catalog(cfg.name, **props)
     except OperationalError as exc:
         raise _database_error(cfg, exc) from None
+    except (OAuthError, UnauthorizedError, ForbiddenError) as exc:
+        raise refused_error(cfg, exc) from None
+
+
+def refused_error(cfg: CatalogSettings, exc: BaseException) -> SettingsError:
+    """One line naming the setting when the REST catalog refuses our credentials; the
+    server's own words are kept, any value of BACKFILL_CATALOG_PROPERTIES removed from them."""
+    detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    for value in cfg.properties.values():
+        if len(value) >= 4:
+            detail = detail.replace(value, "***")
+    given = ", ".join(sorted(k for k in cfg.properties if k in _AUTH_PROPERTIES)) or "none"
+    return SettingsError(
+        f"BACKFILL_CATALOG_PROPERTIES: the REST catalog {cfg.uri} (BACKFILL_CATALOG_URI) refused "
+        f"the request ({type(exc).__name__}: {detail}); credentials given: {given}. Set "
+        "'token' or 'credential' (with 'scope', 'oauth2-server-uri' if the server needs them)"
+    )
+
+
+# Iceberg REST catalog properties that authenticate (named, never shown, in errors).
+_AUTH_PROPERTIES = frozenset(
+    {"token", "credential", "rest.auth.type", "rest.sigv4-enabled", "header.Authorization"}
+)
 
 
 def _database_error(cfg: CatalogSettings, exc: Exception) -> Exception:

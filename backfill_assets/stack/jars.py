@@ -27,7 +27,9 @@ MAVEN_DIR = Path(__file__).resolve().parent / "maven"
 # spark.jars: from_avro; the udf jar's ProtobufRow); kafka-connect: the CDC source's Kafka
 # Connect worker with Debezium's Postgres connector (stack/cdc.py), never on Spark's classpath;
 # kafka-connect-avro: Apicurio's Avro converter for that worker (beside kafka-connect, whose
-# Kafka and Jackson it uses), so Debezium can write Avro through the schema registry.
+# Kafka and Jackson it uses), so Debezium can write Avro through the schema registry;
+# iceberg-rest: Iceberg's REST catalog server code, the test tier's REST catalog
+# (backfill_assets_tests/support/iceberg_rest.py), never on Spark's classpath.
 JAR_SETS = (
     "kafka-broker",
     "spark",
@@ -36,6 +38,7 @@ JAR_SETS = (
     "spark-formats",
     "kafka-connect",
     "kafka-connect-avro",
+    "iceberg-rest",
 )
 _STAMP = ".resolved-pom.sha256"
 

@@ -33,10 +33,16 @@ class RegistryStatus:
     ready: bool
     url: str
     external: bool = False
+    refused: bool = False  # it answers, but refuses the credentials
 
     def describe(self) -> str:
         if self.external:
             state = "answering" if self.ready else "NOT answering"
+            if self.refused:
+                state = (
+                    "refusing the credentials (BACKFILL_SCHEMA_REGISTRY_BASIC_AUTH/"
+                    "BACKFILL_SCHEMA_REGISTRY_TOKEN)"
+                )
             return f"schema registry (BACKFILL_SCHEMA_REGISTRY_URL) {state} url={self.url}"
         state = "running" if self.running else "stopped"
         if self.running and not self.ready:
@@ -121,9 +127,15 @@ def external_status(settings: Settings) -> RegistryStatus:
     """The status of the registry ``BACKFILL_SCHEMA_REGISTRY_URL`` names (its subject list
     answers or not); ``stack`` never starts or stops it."""
     url = settings.schema_registry_url
+    refused = False
+    request = urllib.request.Request(url + "/subjects", headers=settings.schema_registry_headers)
     try:
-        with urllib.request.urlopen(url + "/subjects", timeout=5) as resp:
+        with urllib.request.urlopen(request, timeout=5) as resp:
             ready = resp.status == 200
+    except urllib.error.HTTPError as exc:
+        ready, refused = False, exc.code in (401, 403)
     except (OSError, urllib.error.URLError):
         ready = False
-    return RegistryStatus(pid=None, running=ready, ready=ready, url=url, external=True)
+    return RegistryStatus(
+        pid=None, running=ready or refused, ready=ready, url=url, external=True, refused=refused
+    )

@@ -149,6 +149,9 @@ class CatalogSettings:
     s3_access_key_id: str | None = None
     s3_secret_access_key: str | None = field(default=None, repr=False)
     s3_region: str | None = None
+    # BACKFILL_CATALOG_PROPERTIES: Iceberg catalog properties passed through as they are to
+    # pyiceberg and to Spark's catalog (credential, token, scope, header.*, rest.*, ...).
+    properties: Mapping[str, str] = field(default_factory=dict, repr=False, hash=False)
 
     @property
     def sqlite_path(self) -> Path | None:
@@ -250,6 +253,11 @@ class Settings:
     # None: the local one ``stack up`` starts on 127.0.0.1:BACKFILL_SCHEMA_REGISTRY_PORT).
     schema_registry_url_setting: str | None = None
     schema_registry_port: int = 18081
+    # Its credentials, secrets (at most one): HTTP basic ``user:password``
+    # (BACKFILL_SCHEMA_REGISTRY_BASIC_AUTH) or a bearer token (BACKFILL_SCHEMA_REGISTRY_TOKEN).
+    schema_registry_basic_auth: str | None = field(default=None, repr=False)
+    schema_registry_token: str | None = field(default=None, repr=False)
+    schema_registry_logical_cluster: str = ""
     # The CDC source (issue 48; stack/cdc.py), local only: the Postgres with logical decoding
     # (BACKFILL_CDC_POSTGRES_PORT) and the Kafka Connect worker running Debezium's connector
     # (REST API on BACKFILL_KAFKA_CONNECT_PORT, heap BACKFILL_KAFKA_CONNECT_HEAP), both on
@@ -265,6 +273,35 @@ class Settings:
         if self.schema_registry_url_setting:
             return self.schema_registry_url_setting
         return local_registry_url(self.schema_registry_port)
+
+    @property
+    def schema_registry_auth(self) -> dict[str, str]:
+        """confluent-kafka ``SchemaRegistryClient`` settings for the registry's credentials
+        (none: {}); secrets included, never log the result."""
+        if self.schema_registry_basic_auth:
+            return {"basic.auth.user.info": self.schema_registry_basic_auth}
+        if self.schema_registry_token:
+            # The client's static token needs a logical cluster (a header Confluent Cloud
+            # reads; other registries ignore it).
+            return {
+                "bearer.auth.credentials.source": "STATIC_TOKEN",
+                "bearer.auth.token": self.schema_registry_token,
+                "bearer.auth.logical.cluster": self.schema_registry_logical_cluster,
+            }
+        return {}
+
+    @property
+    def schema_registry_headers(self) -> dict[str, str]:
+        """The Authorization header the registry's credentials make (none: {}), for plain
+        HTTP clients."""
+        import base64
+
+        if self.schema_registry_basic_auth:
+            basic = base64.b64encode(self.schema_registry_basic_auth.encode()).decode()
+            return {"Authorization": f"Basic {basic}"}
+        if self.schema_registry_token:
+            return {"Authorization": f"Bearer {self.schema_registry_token}"}
+        return {}
 
     def with_secrets(
         self,
@@ -348,6 +385,7 @@ class Settings:
             spark_connect_token=env.get("BACKFILL_SPARK_CONNECT_TOKEN") or None,
             schema_registry_url_setting=_schema_registry_url(env),
             schema_registry_port=_port(env, "BACKFILL_SCHEMA_REGISTRY_PORT", 18081),
+            **_schema_registry_auth(env),
             cdc_postgres_port=_port(env, "BACKFILL_CDC_POSTGRES_PORT", 15432),
             kafka_connect_port=_port(env, "BACKFILL_KAFKA_CONNECT_PORT", 18083),
             kafka_connect_heap=_memory(env, "BACKFILL_KAFKA_CONNECT_HEAP", "512m") or "512m",
@@ -360,6 +398,8 @@ SECRET_VARS = (
     "BACKFILL_KAFKA_SASL_PASSWORD",
     "BACKFILL_CATALOG_JDBC_PASSWORD",
     "BACKFILL_SPARK_CONNECT_TOKEN",
+    "BACKFILL_SCHEMA_REGISTRY_BASIC_AUTH",
+    "BACKFILL_SCHEMA_REGISTRY_TOKEN",
     "AWS_ACCESS_KEY_ID",
     "AWS_SECRET_ACCESS_KEY",
 )
@@ -430,7 +470,7 @@ MASK = "***"
 # Secrets inside other values: a URL's password (scheme://user:PASSWORD@host), a parameter
 # such as Spark Connect's ``;token=...``, and a JSON value whose key names a secret
 # (BACKFILL_SPARK_CONF).
-_SECRET_WORDS = r"(?:token|password|passwd|secret|credential|key)"
+_SECRET_WORDS = r"(?:token|password|passwd|secret|credential|key|authorization|user-?info)"
 _EMBEDDED_SECRETS = (
     (re.compile(r"(\w[\w+.-]*://[^/\s:@]*:)[^@\s/]*@"), rf"\g<1>{MASK}@"),
     (re.compile(rf"(?i)(\b\w*{_SECRET_WORDS}\w*=)[^;&\s]+"), rf"\g<1>{MASK}"),
@@ -439,6 +479,12 @@ _EMBEDDED_SECRETS = (
         rf'\g<1>"{MASK}"',
     ),
 )
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a property or header named ``name`` holds a secret (password, key, token,
+    credential, authorization)."""
+    return re.search(rf"(?i){_SECRET_WORDS}", name) is not None
 
 
 def masked(variable: str, value: str | None) -> str | None:
@@ -494,6 +540,30 @@ def _schema_registry_url(env: Mapping[str, str]) -> str | None:
             f"(e.g. http://127.0.0.1:18081{CCOMPAT_PATH}), or unset for the local registry"
         )
     return raw
+
+
+def _schema_registry_auth(env: Mapping[str, str]) -> dict[str, Any]:
+    """The registry's credentials: ``BACKFILL_SCHEMA_REGISTRY_BASIC_AUTH`` (``user:password``)
+    or ``BACKFILL_SCHEMA_REGISTRY_TOKEN`` (a bearer token), not both; with a token,
+    ``BACKFILL_SCHEMA_REGISTRY_LOGICAL_CLUSTER`` (Confluent Cloud's ``lsrc-...``, else empty)."""
+    basic = env.get("BACKFILL_SCHEMA_REGISTRY_BASIC_AUTH") or None
+    token = env.get("BACKFILL_SCHEMA_REGISTRY_TOKEN") or None
+    cluster = env.get("BACKFILL_SCHEMA_REGISTRY_LOGICAL_CLUSTER", "")
+    if basic and token:
+        raise SettingsError(
+            "BACKFILL_SCHEMA_REGISTRY_BASIC_AUTH and BACKFILL_SCHEMA_REGISTRY_TOKEN are both set; "
+            "a schema registry takes one kind of credentials: unset one"
+        )
+    if basic is not None and ":" not in basic:
+        raise SettingsError(
+            "BACKFILL_SCHEMA_REGISTRY_BASIC_AUTH must be USER:PASSWORD (the user, a colon, then "
+            "the password)"
+        )
+    return {
+        "schema_registry_basic_auth": basic,
+        "schema_registry_token": token,
+        "schema_registry_logical_cluster": cluster,
+    }
 
 
 # --- Spark Connect (issue 27) -------------------------------------------------------------
@@ -724,7 +794,64 @@ def _catalog_settings(env: Mapping[str, str], home: Path) -> CatalogSettings:
         s3_access_key_id=env.get("AWS_ACCESS_KEY_ID"),
         s3_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY"),
         s3_region=env.get("AWS_REGION"),
+        properties=_catalog_properties(env),
     )
+
+
+# Catalog properties the project sets itself, and the setting that owns each.
+_CATALOG_OWNED = {
+    "uri": "BACKFILL_CATALOG_URI",
+    "warehouse": "BACKFILL_WAREHOUSE",
+    "type": "BACKFILL_CATALOG_KIND",
+    "catalog-impl": "BACKFILL_CATALOG_KIND",
+    "py-catalog-impl": "BACKFILL_CATALOG_KIND",
+    "cache-enabled": "the project (always false: other processes commit to the same tables)",
+}
+_CATALOG_OWNED_PREFIXES = {
+    "jdbc.": "BACKFILL_CATALOG_JDBC_USER/BACKFILL_CATALOG_JDBC_PASSWORD",
+}
+
+
+def _catalog_properties(env: Mapping[str, str]) -> dict[str, str]:
+    """``BACKFILL_CATALOG_PROPERTIES``: Iceberg catalog properties as a JSON object of strings
+    (or numbers, booleans), given as they are to pyiceberg and to Spark's Iceberg catalog, e.g.
+    ``{"credential": "ID:SECRET", "scope": "catalog"}``. Properties the project sets from its
+    own settings are refused, naming that setting. Values never appear in messages."""
+    name = "BACKFILL_CATALOG_PROPERTIES"
+    raw = env.get(name, "").strip()
+    if not raw:
+        return {}
+    example = 'e.g. {"credential": "CLIENT_ID:CLIENT_SECRET", "scope": "catalog"}'
+    try:
+        doc = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        # The position only: the message of a JSON error can quote the (secret) text.
+        raise SettingsError(
+            f"{name} is not valid JSON (at character {exc.pos}); {example}"
+        ) from None
+    if not isinstance(doc, dict):
+        raise SettingsError(
+            f"{name} must be a JSON object of Iceberg catalog properties; {example}"
+        )
+    props: dict[str, str] = {}
+    for key, value in doc.items():
+        owner = _CATALOG_OWNED.get(key) or next(
+            (o for p, o in _CATALOG_OWNED_PREFIXES.items() if key.startswith(p)), None
+        )
+        if owner is not None:
+            raise SettingsError(f"{name}: {key!r} is set by {owner}, not here")
+        if not key or key.startswith("spark."):
+            raise SettingsError(
+                f"{name}: {key!r} is not an Iceberg catalog property (give names such as "
+                "'credential' or 'header.X-Tenant', without the spark.sql.catalog.<name>. prefix)"
+            )
+        if isinstance(value, bool):
+            props[key] = "true" if value else "false"
+        elif isinstance(value, str | int | float):
+            props[key] = str(value)
+        else:
+            raise SettingsError(f"{name}: {key!r} must be a string, number or boolean")
+    return props
 
 
 def _spark_conf(env: Mapping[str, str]) -> dict[str, str]:

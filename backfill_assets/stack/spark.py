@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from backfill_assets.errors import SparkConnectError
 from backfill_assets.stack import catalog, cds, jars
-from backfill_assets.stack.settings import Settings
+from backfill_assets.stack.settings import Settings, is_secret_name
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -27,6 +27,10 @@ _log = logging.getLogger(__name__)
 # generate a 14,720-byte processNext, which then ran interpreted (bench/parse.py: the parse
 # 3.0 s -> 2.0 s for 203,916 records with this option). Given to the driver and executors.
 JIT_OPTIONS = "-XX:-DontCompileHugeMethods"
+
+
+# Spark's default spark.redaction.regex, plus the catalog's credential and authorization keys.
+REDACTION_REGEX = "(?i)secret|password|token|access[.]key|credential|authorization"
 
 
 def spark_config(settings: Settings, extra: Mapping[str, object] | None = None) -> dict[str, str]:
@@ -47,6 +51,9 @@ def spark_config(settings: Settings, extra: Mapping[str, object] | None = None) 
             str(settings.spark_executor_cores) if settings.spark_executor_cores else ""
         ),
         "spark.ui.showConsoleProgress": "false",
+        # Spark's default redaction (UI, event log) misses Iceberg's `credential` property and
+        # `header.Authorization`: redact every key naming a secret the settings mask.
+        "spark.redaction.regex": REDACTION_REGEX,
         # Local runs bind the UI and driver to loopback only.
         "spark.driver.host": "127.0.0.1" if local else "",
         "spark.driver.bindAddress": "127.0.0.1" if local else "",
@@ -181,15 +188,33 @@ def get_session(settings: Settings, extra: Mapping[str, object] | None = None) -
         # host name resolves to a loopback address and picks another interface.
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     conf = spark_config(settings, extra)
+    later = catalog_secrets(conf)
     existing = _running_session()
     if existing is not None:
         _warn_fixed_settings(existing, conf)
     builder = SparkSession.builder
     for key, value in conf.items():
-        builder = builder.config(key, value)
+        if key not in later:
+            builder = builder.config(key, value)
     session = builder.getOrCreate()
+    # pyspark hands every builder setting to spark-submit as --conf KEY=VALUE, so it would show
+    # in the driver JVM's command line (ps). The catalog's secrets are session settings, read
+    # when the catalog is first used: they are set here instead, before any query.
+    for key, value in later.items():
+        session.conf.set(key, value)
     session.sparkContext.setLogLevel("WARN")
     return session
+
+
+def catalog_secrets(conf: Mapping[str, str]) -> dict[str, str]:
+    """The ``spark.sql.catalog.*`` settings of ``conf`` that hold secrets (passwords, keys,
+    tokens, credentials): never given on a command line."""
+    found = {}
+    for key, value in conf.items():
+        parts = key.split(".", 4)  # spark, sql, catalog, <name>, <property>
+        if key.startswith("spark.sql.catalog.") and len(parts) == 5 and is_secret_name(parts[4]):
+            found[key] = value
+    return found
 
 
 def _running_session() -> SparkSession | None:

@@ -24,8 +24,13 @@ NOT_VARIABLES = {
 # One planted secret per way a secret reaches a value: its own variable, a URL's password,
 # Spark Connect's token parameter, a secret key of BACKFILL_SPARK_CONF.
 SECRET = "s3cr3t-Pl4nted"
+# A registry takes one kind of credentials: the token is planted here, basic auth in
+# stack/test_registry_auth.py.
 SECRETS_ENV = {
-    **dict.fromkeys(SECRET_VARS, SECRET),
+    **{name: SECRET for name in SECRET_VARS if name != "BACKFILL_SCHEMA_REGISTRY_BASIC_AUTH"},
+    "BACKFILL_CATALOG_PROPERTIES": json.dumps(
+        {"credential": f"lake:{SECRET}", "header.Authorization": f"Bearer {SECRET}", "scope": "x"}
+    ),
     "BACKFILL_CATALOG_URI": f"postgresql+psycopg2://lake:{SECRET}@db.internal:5432/catalog",
     "BACKFILL_SCHEMA_REGISTRY_URL": f"https://reader:{SECRET}@registry.internal/apis/ccompat/v7",
     "BACKFILL_SPARK_CONNECT": f"sc://spark.internal:15002/;token={SECRET};user_id=lake",
@@ -92,7 +97,7 @@ def test_secrets_never_appear(
     for out in (text, err, doc_text, json_err):
         assert SECRET not in out
     rows = {row["variable"]: row for row in json.loads(doc_text)["settings"]}
-    for name in SECRET_VARS:
+    for name in set(SECRET_VARS) & set(SECRETS_ENV):
         assert rows[name] == {
             "variable": name,
             "value": "***",
@@ -106,6 +111,11 @@ def test_secrets_never_appear(
     assert rows["BACKFILL_SPARK_CONNECT"]["value"] == (
         "sc://spark.internal:15002/;token=***;user_id=lake"
     )
+    assert json.loads(rows["BACKFILL_CATALOG_PROPERTIES"]["value"]) == {
+        "credential": "***",
+        "header.Authorization": "***",
+        "scope": "x",
+    }
     assert json.loads(rows["BACKFILL_SPARK_CONF"]["value"]) == {
         "spark.hadoop.fs.s3a.secret.key": "***",
         "spark.executor.instances": "4",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import logging
 import re
 from pathlib import Path
@@ -14,7 +15,7 @@ import yaml
 from backfill_assets.errors import SettingsError
 from backfill_assets.stack import catalog, spark
 from backfill_assets.stack import settings as settings_module
-from backfill_assets.stack.settings import REPO_ROOT, Settings
+from backfill_assets.stack.settings import REPO_ROOT, Settings, listing
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -133,6 +134,66 @@ def test_production_catalogs_translate_for_both_engines() -> None:
     )
     assert catalog.spark_properties(rest.catalog)["spark.sql.catalog.lake.type"] == "rest"
     assert catalog.pyiceberg_properties(rest.catalog)["type"] == "rest"
+
+
+def test_catalog_properties_reach_both_engines_and_secrets_stay_off_the_command_line() -> None:
+    """BACKFILL_CATALOG_PROPERTIES reaches pyiceberg's properties and Spark's catalog settings
+    (the classic builder and the Spark Connect server's properties file both take
+    spark_config); the secret ones are set on the session after start, not given to
+    spark-submit; the listing masks them."""
+    props = {
+        "credential": "client:cl13nt-s3cret",
+        "scope": "catalog",
+        "header.X-Tenant": "lake",
+        "rest.sigv4-enabled": True,
+    }
+    env = {
+        "BACKFILL_CATALOG_KIND": "rest",
+        "BACKFILL_CATALOG_URI": "https://rest.internal",
+        "BACKFILL_CATALOG_PROPERTIES": json.dumps(props),
+    }
+    s = Settings.from_env(env)
+    py = catalog.pyiceberg_properties(s.catalog)
+    assert py["credential"] == "client:cl13nt-s3cret" and py["rest.sigv4-enabled"] == "true"
+    assert py["header.X-Tenant"] == "lake" and py["uri"] == "https://rest.internal"
+    conf = spark.spark_config(s)
+    assert conf["spark.sql.catalog.lake.credential"] == "client:cl13nt-s3cret"
+    assert conf["spark.sql.catalog.lake.scope"] == "catalog"
+    assert spark.catalog_secrets(conf) == {
+        "spark.sql.catalog.lake.credential": "client:cl13nt-s3cret"
+    }
+    # Spark's UI and event log redact it (its default regex would not).
+    assert re.search(conf["spark.redaction.regex"], "spark.sql.catalog.lake.credential")
+    assert re.search(conf["spark.redaction.regex"], "spark.sql.catalog.lake.header.Authorization")
+    assert "cl13nt-s3cret" not in repr(s)
+    shown = {r.variable: r.value for r in listing(env)}["BACKFILL_CATALOG_PROPERTIES"]
+    assert shown is not None and "cl13nt-s3cret" not in shown and '"scope": "catalog"' in shown
+
+
+@pytest.mark.parametrize(
+    ("props", "owner"),
+    [
+        ({"uri": "x"}, "'uri' is set by BACKFILL_CATALOG_URI"),
+        ({"warehouse": "s3://x"}, "'warehouse' is set by BACKFILL_WAREHOUSE"),
+        ({"type": "hive"}, "'type' is set by BACKFILL_CATALOG_KIND"),
+        ({"catalog-impl": "x.Y"}, "'catalog-impl' is set by BACKFILL_CATALOG_KIND"),
+        ({"jdbc.password": "pw"}, "'jdbc.password' is set by BACKFILL_CATALOG_JDBC_USER"),
+        ({"spark.sql.catalog.lake.token": "t"}, "not an Iceberg catalog property"),
+        ({"token": {"nested": 1}}, "'token' must be a string"),
+        (["token"], "must be a JSON object"),
+    ],
+)
+def test_catalog_properties_the_project_owns_are_refused(props: object, owner: str) -> None:
+    env = {"BACKFILL_CATALOG_PROPERTIES": json.dumps(props)}
+    with pytest.raises(SettingsError, match=r"^BACKFILL_CATALOG_PROPERTIES") as caught:
+        Settings.from_env(env)
+    assert owner in str(caught.value)
+
+
+def test_invalid_catalog_properties_json_does_not_echo_the_text() -> None:
+    with pytest.raises(SettingsError) as caught:
+        Settings.from_env({"BACKFILL_CATALOG_PROPERTIES": '{"token": "tok-s3cret",'})
+    assert "tok-s3cret" not in str(caught.value)
 
 
 def test_spark_config_follows_the_master_setting(stack_settings: Settings) -> None:

@@ -59,10 +59,12 @@ class Writer:
     reason: str | None = None
 
 
-def client(url: str) -> SchemaRegistryClient:
+def client(url: str, auth: Mapping[str, str] | None = None) -> SchemaRegistryClient:
+    """A registry client for ``url`` with the credentials ``auth`` (``Settings.
+    schema_registry_auth``: basic or bearer settings of the client; None: none)."""
     from confluent_kafka.schema_registry import SchemaRegistryClient
 
-    return SchemaRegistryClient({"url": url})
+    return SchemaRegistryClient({"url": url, **(auth or {})})
 
 
 def latest_fields(registry: SchemaRegistryClient, subject: str) -> dict[str, dict[str, Any]]:
@@ -180,9 +182,11 @@ def writer_text(registry: SchemaRegistryClient, sid: int) -> str | None:
     return found[1]
 
 
-def resolve(spec: TopicSpec, url: str, ids: Iterable[int]) -> dict[int, Writer]:
+def resolve(
+    spec: TopicSpec, url: str, ids: Iterable[int], auth: Mapping[str, str] | None = None
+) -> dict[int, Writer]:
     """Every schema id of ``ids`` judged (:func:`judge`) against the registry at ``url``."""
-    registry = client(url)
+    registry = client(url, auth)
     assert spec.subject is not None
     latest = latest_fields(registry, spec.subject)
     return {sid: judge(spec, sid, writer_text(registry, sid), latest) for sid in sorted(set(ids))}
@@ -250,9 +254,10 @@ class IndependentDecode:
     would also look up and run the subject's data-contract rules on every record (a third of
     the decode's CPU here), which the replay does not run either."""
 
-    def __init__(self, spec: TopicSpec, url: str) -> None:
+    def __init__(self, spec: TopicSpec, url: str, auth: Mapping[str, str] | None = None) -> None:
         self.spec = spec
         self.url = url
+        self.auth = dict(auth or {})
         self.names = [c.name for c in spec.columns]
         self.stamps = [c.name for c in spec.columns if c.type == "timestamp"]
         self._registry: SchemaRegistryClient | None = None
@@ -281,7 +286,7 @@ class IndependentDecode:
         from confluent_kafka.schema_registry.avro import AvroDeserializer
 
         if self._registry is None:
-            self._registry = client(self.url)
+            self._registry = client(self.url, self.auth)
             assert self.spec.subject is not None
             self._latest = latest_fields(self._registry, self.spec.subject)
         verdict = judge(self.spec, sid, writer_text(self._registry, sid), self._latest or {})

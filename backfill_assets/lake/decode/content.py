@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -214,7 +214,12 @@ class RecordDecoder:
     """Decodes one Kafka record the way the replay must have: ``(ROW, content hash)``,
     ``(QUARANTINED, reason)`` or ``(UNVERIFIED, version)``."""
 
-    def __init__(self, spec: TopicSpec, registry_url: str | None = None) -> None:
+    def __init__(
+        self,
+        spec: TopicSpec,
+        registry_url: str | None = None,
+        registry_auth: Mapping[str, str] | None = None,
+    ) -> None:
         self.spec = spec
         # An avro or protobuf topic's values: confluent-kafka's deserializer with its own
         # registry client.
@@ -225,14 +230,14 @@ class RecordDecoder:
         if spec.format == "avro" and spec.envelope == "debezium":
             if registry_url is None:
                 raise ValueError(f"topic {spec.topic!r} is avro: its decode needs a registry URL")
-            self.envelope = debezium_avro.IndependentDecode(spec, registry_url)
+            self.envelope = debezium_avro.IndependentDecode(spec, registry_url, registry_auth)
         elif spec.format in ("avro", "protobuf"):
             if registry_url is None:
                 raise ValueError(
                     f"topic {spec.topic!r} is {spec.format}: its decode needs a registry URL"
                 )
             kind = avro if spec.format == "avro" else protobuf
-            self.decode = kind.IndependentDecode(spec, registry_url)
+            self.decode = kind.IndependentDecode(spec, registry_url, registry_auth)
         # A json_schema topic's header: checked against the registry in plain Python.
         self.wire = None
         if spec.format == "json_schema":
@@ -240,7 +245,7 @@ class RecordDecoder:
                 raise ValueError(
                     f"topic {spec.topic!r} is json_schema: its decode needs a registry URL"
                 )
-            self.wire = json_schema.WireCheck(registry_url)
+            self.wire = json_schema.WireCheck(registry_url, registry_auth)
         # A Debezium topic's envelope, read in plain Python.
         self.cdc = debezium.Reference(spec) if spec.envelope == "debezium" else None
         self.columns = spec.columns

@@ -173,10 +173,12 @@ def key_versions(registry: SchemaRegistryClient, spec: TopicSpec) -> dict[int, a
     return out
 
 
-def resolve(spec: TopicSpec, url: str, ids: Iterable[int]) -> Writers:
+def resolve(
+    spec: TopicSpec, url: str, ids: Iterable[int], auth: Mapping[str, str] | None = None
+) -> Writers:
     """The value schema ids ``ids`` and the key subject's versions, judged against the
     registry at ``url``."""
-    registry = avro.client(url)
+    registry = avro.client(url, auth)
     values = {sid: judge(spec, sid, avro.writer_text(registry, sid)) for sid in sorted(set(ids))}
     return Writers(values, key_versions(registry, spec))
 
@@ -310,9 +312,10 @@ class IndependentDecode:
     becomes the envelope as a dict (what :class:`~backfill_assets.lake.decode.debezium.
     Reference` reads), or the quarantine reason; a tombstone's key its key field, or None."""
 
-    def __init__(self, spec: TopicSpec, url: str) -> None:
+    def __init__(self, spec: TopicSpec, url: str, auth: Mapping[str, str] | None = None) -> None:
         self.spec = spec
         self.url = url
+        self.auth = dict(auth or {})
         self.key = debezium.key_column(spec)
         self._registry: SchemaRegistryClient | None = None
         self._by_id: dict[int, Any] = {}
@@ -358,7 +361,7 @@ class IndependentDecode:
 
     def _client(self) -> SchemaRegistryClient:
         if self._registry is None:
-            self._registry = avro.client(self.url)
+            self._registry = avro.client(self.url, self.auth)
         return self._registry
 
     def _avro(self, reader: str | None) -> Any:

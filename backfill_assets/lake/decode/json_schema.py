@@ -44,11 +44,13 @@ def judge(sid: int, found: tuple[str, str] | None) -> avro.Writer:
     return avro.Writer(sid, writer=text)
 
 
-def resolve(url: str, ids: Iterable[int]) -> dict[int, avro.Writer]:
+def resolve(
+    url: str, ids: Iterable[int], auth: Mapping[str, str] | None = None
+) -> dict[int, avro.Writer]:
     """Every schema id of ``ids`` judged (:func:`judge`) against the registry at ``url``; a
     registry that does not answer raises
     :class:`~backfill_assets.errors.RegistryUnavailable`."""
-    registry = avro.client(url)
+    registry = avro.client(url, auth)
     return {sid: judge(sid, avro.lookup(registry, sid)) for sid in sorted(set(ids))}
 
 
@@ -75,8 +77,9 @@ class WireCheck:
     """The independent decode's header check: the JSON payload of a value, or the reason it is
     quarantined. Each id is looked up once, with its own registry client."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, auth: Mapping[str, str] | None = None) -> None:
         self.url = url
+        self.auth = dict(auth or {})
         self._registry: SchemaRegistryClient | None = None
         self._reasons: dict[int, str | None] = {}
 
@@ -86,7 +89,7 @@ class WireCheck:
             return NOT_WIRE
         if sid not in self._reasons:
             if self._registry is None:
-                self._registry = avro.client(self.url)
+                self._registry = avro.client(self.url, self.auth)
             self._reasons[sid] = judge(sid, avro.lookup(self._registry, sid)).reason
         reason = self._reasons[sid]
         return value[WIRE_HEADER:] if reason is None else reason

@@ -112,9 +112,11 @@ def _file(found: tuple[str, str]) -> FileDescriptorProto | None:
     return file
 
 
-def resolve(spec: TopicSpec, url: str, ids: Iterable[int]) -> dict[int, Writer]:
+def resolve(
+    spec: TopicSpec, url: str, ids: Iterable[int], auth: Mapping[str, str] | None = None
+) -> dict[int, Writer]:
     """Every schema id of ``ids`` judged (:func:`judge`) against the registry at ``url``."""
-    registry = avro.client(url)
+    registry = avro.client(url, auth)
     return {
         sid: judge(spec, sid, avro.lookup(registry, sid, serialized=True))
         for sid in sorted(set(ids))
@@ -237,9 +239,10 @@ class IndependentDecode:
     class built from the registry's writer schema of each id. Returns the typed row (a timestamp
     as epoch microseconds) or the quarantine reason; nothing of the JVM decoder is used."""
 
-    def __init__(self, spec: TopicSpec, url: str) -> None:
+    def __init__(self, spec: TopicSpec, url: str, auth: Mapping[str, str] | None = None) -> None:
         self.spec = spec
         self.url = url
+        self.auth = dict(auth or {})
         self.stamps = {c.name for c in spec.columns if c.type == "timestamp"}
         self._registry: SchemaRegistryClient | None = None
         self._by_id: dict[int, tuple[Writer, Any, Any] | str] = {}
@@ -278,7 +281,7 @@ class IndependentDecode:
         from google.protobuf.descriptor_pb2 import FileDescriptorProto
 
         if self._registry is None:
-            self._registry = avro.client(self.url)
+            self._registry = avro.client(self.url, self.auth)
         writer = judge(self.spec, sid, avro.lookup(self._registry, sid, serialized=True))
         if writer.reason is not None:
             return writer.reason

@@ -169,7 +169,7 @@ def window_contract(
         archive=Archive(settings, {spec.topic: read}),
         published=published,
         seal_grace=timedelta(seconds=settings.seal_grace_s),
-        decode=RecordDecoder(spec, settings.schema_registry_url),
+        decode=RecordDecoder(spec, settings.schema_registry_url, settings.schema_registry_auth),
         decode_sample=settings.content_sample,
         decode_whole_up_to=settings.content_sample_above,
         # Drawn per run, so a re-run of a large hour compares other records than the last run.

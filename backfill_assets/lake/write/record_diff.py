@@ -46,7 +46,7 @@ def differing_records(
     if windows is None:
         return []
     settings = Settings.from_env()
-    decoder = RecordDecoder(spec, settings.schema_registry_url)
+    decoder = RecordDecoder(spec, settings.schema_registry_url, settings.schema_registry_auth)
     accepted = windows.content_sample.accepted
     found: list[dict[str, Any]] = []
     for hour in hours[:HOURS]:

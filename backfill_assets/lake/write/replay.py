@@ -182,16 +182,19 @@ def replay_to_branch(
     # write fills it, the second reads it back. The run's figures are measured on the branch
     # as written, by the checks (checks.run_checks).
     writers: Mapping[int, Any] | debezium_avro.Writers | None = None
+    url, auth, ids = (
+        settings.schema_registry_url,
+        settings.schema_registry_auth,
+        contract.windows.schema_ids,
+    )
     if spec.format == "avro" and spec.envelope == "debezium":
-        writers = debezium_avro.resolve(
-            spec, settings.schema_registry_url, contract.windows.schema_ids
-        )
+        writers = debezium_avro.resolve(spec, url, ids, auth)
     elif spec.format == "avro":
-        writers = avro.resolve(spec, settings.schema_registry_url, contract.windows.schema_ids)
+        writers = avro.resolve(spec, url, ids, auth)
     elif spec.format == "protobuf":
-        writers = protobuf.resolve(spec, settings.schema_registry_url, contract.windows.schema_ids)
+        writers = protobuf.resolve(spec, url, ids, auth)
     elif spec.format == "json_schema":
-        writers = json_schema.resolve(settings.schema_registry_url, contract.windows.schema_ids)
+        writers = json_schema.resolve(url, ids, auth)
     rows, quarantine, parsed = parse(spec, raw, run_id, writers)
     try:
         props = audit_summary(contract, run_id)

@@ -31,7 +31,9 @@ def columns_command(ui: Ui, settings: Settings, topic: str) -> int:
     subject = str(entry.get("subject") or f"{topic}-value")
     message = entry.get("message") if isinstance(entry.get("message"), str) else None
     url = settings.schema_registry_url
-    derived = registry_columns.read_columns(entry["format"], subject, url, message)
+    derived = registry_columns.read_columns(
+        entry["format"], subject, url, message, settings.schema_registry_auth
+    )
     ui.line(block(topic, url, derived))
     if derived.unsupported:
         ui.note(f"left out: {derived.problem()}")
