@@ -181,8 +181,9 @@ def test_the_current_directorys_env_file_is_read_as_dagster_reads_it(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("BACKFILL_HOME", str(tmp_path / "state"))
     monkeypatch.setenv("BACKFILL_KAFKA_PORT", "39092")
-    monkeypatch.delenv("BACKFILL_SENSORS", raising=False)
-    monkeypatch.delenv("BACKFILL_SPEC", raising=False)
+    # Left by other tests' sessions in this process otherwise (the controller port follows).
+    for name in ("BACKFILL_SENSORS", "BACKFILL_SPEC", "BACKFILL_KAFKA_CONTROLLER_PORT"):
+        monkeypatch.delenv(name, raising=False)
     assert cli.main(["settings", "--json"]) == 0
     out = capsys.readouterr().out
     assert SECRET not in out
