@@ -286,6 +286,8 @@ class LocalBroker(process.Server[BrokerStatus]):
             return {}
         if kafka.security_protocol == "SASL_SSL":
             return self._scram_tls_config()
+        if kafka.security_protocol == "SSL":
+            return self._mtls_config()
         user, password = kafka.sasl_username, kafka.sasl_password
         if (
             kafka.security_protocol != "SASL_PLAINTEXT"
@@ -356,6 +358,31 @@ class LocalBroker(process.Server[BrokerStatus]):
             "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
             "super.users": f"User:{ADMIN_USER};User:{NODE_PRINCIPAL}",
             "allow.everyone.if.no.acl.found": "false",
+        }
+
+    def _mtls_config(self) -> dict[str, str]:
+        """SSL: the client listener requires a client certificate (mTLS) that the CA signed;
+        brokers talk to each other there with their own certificate. No authorizer."""
+        kafka = self.settings.kafka
+        ca = kafka.properties.get("ssl.truststore.location") or kafka.ssl_ca_location
+        if kafka.local_ssl_keystore is None or ca is None:
+            raise BrokerError(
+                "an SSL (mTLS) local broker needs BACKFILL_KAFKA_SSL_KEYSTORE (its PEM key and "
+                "certificate) and a PEM CA that signed the clients' certificates "
+                "(ssl.truststore.location in BACKFILL_KAFKA_PROPERTIES, or "
+                "BACKFILL_KAFKA_SSL_CA_LOCATION)"
+            )
+        port, cport = self.node.port, self.node.controller_port
+        return {
+            "listeners": f"SSL://127.0.0.1:{port},CONTROLLER://127.0.0.1:{cport}",
+            "advertised.listeners": f"SSL://127.0.0.1:{port}",
+            "inter.broker.listener.name": "SSL",
+            "listener.security.protocol.map": "SSL:SSL,CONTROLLER:PLAINTEXT",
+            "ssl.keystore.type": "PEM",
+            "ssl.keystore.location": kafka.local_ssl_keystore,
+            "ssl.truststore.type": "PEM",
+            "ssl.truststore.location": ca,
+            "ssl.client.auth": "required",
         }
 
     def _admin_password(self) -> str:
@@ -439,9 +466,10 @@ class LocalBroker(process.Server[BrokerStatus]):
 
 
 _UNSUPPORTED = (
-    "the local broker supports BACKFILL_KAFKA_SECURITY_PROTOCOL=PLAINTEXT; SASL_PLAINTEXT with "
-    "BACKFILL_KAFKA_SASL_MECHANISM=PLAIN; or SASL_SSL with SCRAM-SHA-256/SCRAM-SHA-512; each "
-    "with a BACKFILL_KAFKA_SASL_USERNAME (letters, digits, . _ -) and _PASSWORD"
+    "the local broker supports BACKFILL_KAFKA_SECURITY_PROTOCOL=PLAINTEXT; SSL (client "
+    "certificates required); SASL_PLAINTEXT with BACKFILL_KAFKA_SASL_MECHANISM=PLAIN; or "
+    "SASL_SSL with SCRAM-SHA-256/SCRAM-SHA-512; each SASL one with a "
+    "BACKFILL_KAFKA_SASL_USERNAME (letters, digits, . _ -) and _PASSWORD"
 )
 
 

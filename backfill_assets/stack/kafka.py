@@ -226,8 +226,14 @@ class KafkaClient:
         """An admin client, the cluster's metadata and the topic's (see :meth:`partitions`)."""
         errors: list[KafkaError] = []
         conf: dict[str, Any] = {**self.settings.kafka.client_config(), "error_cb": errors.append}
-        admin = AdminClient(conf)
         bootstrap = self.settings.kafka.bootstrap_servers
+        try:
+            admin = AdminClient(conf)
+        except KafkaException as exc:  # e.g. a keystore it cannot open: a setting to fix
+            cause = exc.args[0].str() if isinstance(exc.args[0], KafkaError) else str(exc)
+            raise KafkaAccessError(
+                f"the Kafka client for {bootstrap} could not start: {cause}. Check {_AUTH_SETTINGS}"
+            ) from None
         deadline = time.monotonic() + self.request_timeout_s
         while True:
             try:
@@ -235,13 +241,9 @@ class KafkaClient:
                 break
             except KafkaException as exc:
                 admin.poll(0)  # serves error_cb: authentication errors arrive there
-                auth = [e for e in errors if e.code() == KafkaError._AUTHENTICATION]
-                if auth:
-                    raise KafkaAccessError(
-                        f"Kafka at {bootstrap} rejected authentication: {auth[0].str()}. Check "
-                        "BACKFILL_KAFKA_SASL_USERNAME, BACKFILL_KAFKA_SASL_PASSWORD and "
-                        "BACKFILL_KAFKA_SASL_MECHANISM"
-                    ) from None
+                refused = _refusal(bootstrap, errors)
+                if refused is not None:
+                    raise refused from None
                 if time.monotonic() >= deadline:
                     raise KafkaClientError(
                         f"Kafka at {bootstrap} did not answer a metadata request for topic "
@@ -356,6 +358,33 @@ class KafkaClient:
             }
         finally:
             consumer.close()
+
+
+# What a client's credentials may come from, named in the errors of a refused connection.
+_AUTH_SETTINGS = (
+    "BACKFILL_KAFKA_PROPERTIES (sasl.jaas.config, ssl.keystore.*), or "
+    "BACKFILL_KAFKA_SASL_USERNAME, BACKFILL_KAFKA_SASL_PASSWORD and BACKFILL_KAFKA_SASL_MECHANISM"
+)
+
+
+def _refusal(bootstrap: str, errors: list[KafkaError]) -> KafkaAccessError | None:
+    """The error for a broker that refused our credentials (SASL) or our TLS handshake (a
+    client certificate missing or not trusted, a CA that does not trust the broker); None
+    when no such error arrived. librdkafka's messages hold no credential."""
+    auth = [e for e in errors if e.code() == KafkaError._AUTHENTICATION]
+    if auth:
+        return KafkaAccessError(
+            f"Kafka at {bootstrap} rejected authentication: {auth[0].str()}. Check "
+            + _AUTH_SETTINGS
+        )
+    tls = [e for e in errors if e.code() == KafkaError._SSL or "SSL" in e.str()]
+    if tls:
+        return KafkaAccessError(
+            f"Kafka at {bootstrap} refused the TLS connection: {tls[0].str()}. Check the "
+            "client certificate (BACKFILL_KAFKA_PROPERTIES: ssl.keystore.*, ssl.key.password) "
+            "and the CA (ssl.truststore.* there, or BACKFILL_KAFKA_SSL_CA_LOCATION)"
+        )
+    return None
 
 
 def _missing_topic(kafka: KafkaSettings, topic: str) -> KafkaClientError:

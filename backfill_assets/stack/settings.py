@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from backfill_assets.errors import SettingsError
+from backfill_assets.stack import kafka_auth
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # State (broker data, catalog, jars, Dagster storage) lives in the checkout's .stack/ when the
@@ -33,8 +34,8 @@ DEFAULT_HOME = (
 
 CatalogKind = Literal["sql", "rest"]
 RunExecutor = Literal["in_process", "multiprocess"]
-_SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
-_SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER")
+_SECURITY_PROTOCOLS = kafka_auth.PROTOCOLS
+_SASL_MECHANISMS = kafka_auth.MECHANISMS
 
 
 # librdkafka's pause when its queue is full, for consumers of whole offset ranges (see
@@ -69,19 +70,26 @@ class KafkaSettings:
     # ssl_ca_location. Clients never read it.
     local_ssl_keystore: str | None = None
 
+    # Java-named client properties (BACKFILL_KAFKA_PROPERTIES, stack/kafka_auth.py) other than
+    # security.protocol and sasl.mechanism, which are the fields above.
+    properties: Mapping[str, str] = field(default_factory=dict, repr=False)
+
+    def java_properties(self) -> dict[str, str]:
+        """Every client property as the Java client names it, secrets included (never log the
+        result): the SASL/CA settings' sugar and BACKFILL_KAFKA_PROPERTIES."""
+        props = sugar_properties(
+            self.security_protocol,
+            self.sasl_mechanism,
+            self.sasl_username,
+            self.sasl_password,
+            self.ssl_ca_location,
+        )
+        return {**props, **self.properties}
+
     def client_config(self) -> dict[str, str | int | float | bool]:
         """librdkafka (confluent-kafka) settings, secrets included: never log the result."""
         conf: dict[str, str | int | float | bool] = {"bootstrap.servers": self.bootstrap_servers}
-        if self.security_protocol != "PLAINTEXT":
-            conf["security.protocol"] = self.security_protocol
-        if self.sasl_mechanism:
-            conf["sasl.mechanism"] = self.sasl_mechanism
-        if self.sasl_username is not None:
-            conf["sasl.username"] = self.sasl_username
-        if self.sasl_password is not None:
-            conf["sasl.password"] = self.sasl_password
-        if self.ssl_ca_location:
-            conf["ssl.ca.location"] = self.ssl_ca_location
+        conf.update(kafka_auth.librdkafka(self.java_properties()))
         return conf
 
     def range_reader_config(self) -> dict[str, str | int | float | bool]:
@@ -104,28 +112,38 @@ class KafkaSettings:
             "kafka.max.partition.fetch.bytes": str(SPARK_PARTITION_FETCH_BYTES),
             "kafka.fetch.max.bytes": str(SPARK_FETCH_BYTES),
         }
-        if self.security_protocol != "PLAINTEXT":
-            opts["kafka.security.protocol"] = self.security_protocol
-        if self.sasl_mechanism:
-            opts["kafka.sasl.mechanism"] = self.sasl_mechanism
-            if (
-                self.sasl_mechanism != "OAUTHBEARER"
-                and self.sasl_username is not None
-                and self.sasl_password is not None
-            ):
-                module = (
-                    "org.apache.kafka.common.security.plain.PlainLoginModule"
-                    if self.sasl_mechanism == "PLAIN"
-                    else "org.apache.kafka.common.security.scram.ScramLoginModule"
-                )
-                opts["kafka.sasl.jaas.config"] = (
-                    f"{module} required username={jaas_quote(self.sasl_username)} "
-                    f"password={jaas_quote(self.sasl_password)};"
-                )
-        if self.ssl_ca_location:
-            opts["kafka.ssl.truststore.type"] = "PEM"
-            opts["kafka.ssl.truststore.location"] = self.ssl_ca_location
+        opts.update({f"kafka.{k}": v for k, v in self.java_properties().items()})
         return opts
+
+
+def sugar_properties(
+    protocol: str,
+    mechanism: str | None,
+    username: str | None,
+    password: str | None,
+    ca_location: str | None,
+) -> dict[str, str]:
+    """The Java client properties the SASL/CA settings stand for (BACKFILL_KAFKA_SECURITY_
+    PROTOCOL, _SASL_*, _SSL_CA_LOCATION)."""
+    props: dict[str, str] = {}
+    if protocol != "PLAINTEXT":
+        props["security.protocol"] = protocol
+    if mechanism:
+        props["sasl.mechanism"] = mechanism
+        if mechanism != "OAUTHBEARER" and username is not None and password is not None:
+            module = (
+                "org.apache.kafka.common.security.plain.PlainLoginModule"
+                if mechanism == "PLAIN"
+                else "org.apache.kafka.common.security.scram.ScramLoginModule"
+            )
+            props["sasl.jaas.config"] = (
+                f"{module} required username={jaas_quote(username)} "
+                f"password={jaas_quote(password)};"
+            )
+    if ca_location:
+        props["ssl.truststore.type"] = "PEM"
+        props["ssl.truststore.location"] = ca_location
+    return props
 
 
 def jaas_quote(value: str) -> str:
@@ -494,6 +512,8 @@ def masked(variable: str, value: str | None) -> str | None:
         return None
     if variable in SECRET_VARS:
         return MASK if value else ""
+    if variable == kafka_auth.VARIABLE:
+        return kafka_auth.masked(value) if value.strip() else value
     for pattern, replacement in _EMBEDDED_SECRETS:
         value = pattern.sub(replacement, value)
     return value
@@ -735,10 +755,13 @@ def _kafka_settings(env: Mapping[str, str]) -> KafkaSettings:
     if mechanism is not None:
         mechanism = mechanism.upper()
         _choice("BACKFILL_KAFKA_SASL_MECHANISM", mechanism, _SASL_MECHANISMS)
+    props = _kafka_properties(env)
+    protocol = props.pop("security.protocol", protocol).upper()
+    mechanism = props.pop("sasl.mechanism", mechanism or "").upper() or None
     if protocol.startswith("SASL") and mechanism is None:
         raise SettingsError(
-            f"BACKFILL_KAFKA_SECURITY_PROTOCOL={protocol} needs BACKFILL_KAFKA_SASL_MECHANISM "
-            f"(one of {', '.join(_SASL_MECHANISMS)})"
+            f"security protocol {protocol} needs BACKFILL_KAFKA_SASL_MECHANISM (or sasl.mechanism "
+            f"in {kafka_auth.VARIABLE}): one of {', '.join(_SASL_MECHANISMS)}"
         )
     return KafkaSettings(
         bootstrap_servers=env.get("BACKFILL_KAFKA_BOOTSTRAP", f"127.0.0.1:{port}"),
@@ -750,8 +773,40 @@ def _kafka_settings(env: Mapping[str, str]) -> KafkaSettings:
         local_port=port,
         local_controller_port=controller_port,
         local_heap=env.get("BACKFILL_KAFKA_HEAP", "512m"),
+        properties=props,
         **_local_broker_tls(env),
     )
+
+
+# The Java client properties each SASL/CA setting stands for: BACKFILL_KAFKA_PROPERTIES may
+# not set them too.
+_KAFKA_SUGAR = {
+    "BACKFILL_KAFKA_SECURITY_PROTOCOL": ("security.protocol",),
+    "BACKFILL_KAFKA_SASL_MECHANISM": ("sasl.mechanism",),
+    "BACKFILL_KAFKA_SASL_USERNAME": ("sasl.jaas.config",),
+    "BACKFILL_KAFKA_SASL_PASSWORD": ("sasl.jaas.config",),
+    "BACKFILL_KAFKA_SSL_CA_LOCATION": (
+        "ssl.truststore.type",
+        "ssl.truststore.location",
+        "ssl.truststore.certificates",
+    ),
+}
+
+
+def _kafka_properties(env: Mapping[str, str]) -> dict[str, str]:
+    """``BACKFILL_KAFKA_PROPERTIES`` (stack/kafka_auth.py), none set twice: a property one of
+    the SASL/CA settings stands for is refused, naming that setting."""
+    raw = (env.get(kafka_auth.VARIABLE) or "").strip()
+    if not raw:
+        return {}
+    props = kafka_auth.parse(raw)
+    for variable, names in _KAFKA_SUGAR.items():
+        for name in names:
+            if name in props and env.get(variable):
+                raise SettingsError(
+                    f"{kafka_auth.VARIABLE}: {name} is set by {variable}; set it in one place"
+                )
+    return props
 
 
 def _local_broker_tls(env: Mapping[str, str]) -> dict[str, str]:

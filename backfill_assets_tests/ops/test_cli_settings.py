@@ -22,7 +22,8 @@ NOT_VARIABLES = {
     "BACKFILL_ID",  # "--backfill BACKFILL_ID" in an error message
 }
 # One planted secret per way a secret reaches a value: its own variable, a URL's password,
-# Spark Connect's token parameter, a secret key of BACKFILL_SPARK_CONF.
+# Spark Connect's token parameter, a secret key of BACKFILL_SPARK_CONF, a secret Kafka client
+# property of BACKFILL_KAFKA_PROPERTIES.
 SECRET = "s3cr3t-Pl4nted"
 # A registry takes one kind of credentials: the token is planted here, basic auth in
 # stack/test_registry_auth.py.
@@ -36,6 +37,14 @@ SECRETS_ENV = {
     "BACKFILL_SPARK_CONNECT": f"sc://spark.internal:15002/;token={SECRET};user_id=lake",
     "BACKFILL_SPARK_CONF": json.dumps(
         {"spark.hadoop.fs.s3a.secret.key": SECRET, "spark.executor.instances": "4"}
+    ),
+    "BACKFILL_KAFKA_PROPERTIES": json.dumps(
+        {
+            "security.protocol": "SSL",
+            "ssl.keystore.type": "PKCS12",
+            "ssl.keystore.location": "/etc/kafka/client.p12",
+            "ssl.keystore.password": SECRET,
+        }
     ),
 }
 
@@ -119,6 +128,12 @@ def test_secrets_never_appear(
     assert json.loads(rows["BACKFILL_SPARK_CONF"]["value"]) == {
         "spark.hadoop.fs.s3a.secret.key": "***",
         "spark.executor.instances": "4",
+    }
+    assert json.loads(rows["BACKFILL_KAFKA_PROPERTIES"]["value"]) == {
+        "security.protocol": "SSL",
+        "ssl.keystore.type": "PKCS12",
+        "ssl.keystore.location": "/etc/kafka/client.p12",
+        "ssl.keystore.password": "***",
     }
 
 
