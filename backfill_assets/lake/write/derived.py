@@ -34,7 +34,6 @@ function returns the branch and the audit outcomes it computed on that branch.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,13 +43,7 @@ from typing import TYPE_CHECKING, Any
 from backfill_assets.lake.write import checks
 from backfill_assets.lake.write.checks import CheckOutcome
 from backfill_assets.lake.write.tables import add_columns
-from backfill_assets.lake.write.wap import (
-    SUMMARY_PREFIX,
-    Branch,
-    open_branch,
-    ref_snapshot,
-    snapshot_property,
-)
+from backfill_assets.lake.write.wap import Branch, open_branch, ref_snapshot
 from backfill_assets.spec import declared
 from backfill_assets.spec.model import EVENT_META_COLUMNS, SPARK_TYPES, TableSpec, TopicSpec
 
@@ -93,8 +86,6 @@ class DerivedOutcome:
     # Input table -> (snapshot id, sequence number) of the main it read (declared tables, and
     # the current state: the raw table).
     reads: dict[str, tuple[int, int]] = field(default_factory=dict)
-    # Properties the publish records in its snapshot summary (with the ``backfill.`` prefix).
-    summary: dict[str, str] = field(default_factory=dict)
 
 
 def rows_per_hour(frame: DataFrame, column: str, start: datetime, end: datetime) -> dict[str, int]:
@@ -696,13 +687,15 @@ def build_current(
         branch = open_branch(spark, table, run_id, attempt)
         _merge_current(spark, branch, view, key, payload)
         clock.lap("merge")
-        audit = _audit_state(spark, spec, table, source, branch, (start, end))
-        clock.lap("checks")
+        state = spark.table(branch.ident)
+        not_applied = _not_applied(source, state, key)
+        source_keys = source.count()
+        clock.lap("source_applied")
         spark.catalog.dropTempView(view)
     finally:
         source.unpersist()
-    outcome = _current_outcome(spec, raw, audit, branch, start, end)
-    outcome.summary[CHECKED_PROPERTY] = checks_fingerprint(spec)
+    outcome = _current_outcome(spec, raw, state, branch, start, end, not_applied, source_keys)
+    clock.lap("checks")
     outcome.metadata["seconds"] = clock.laps
     if pin is not None:
         outcome.reads[raw_table] = pin
@@ -957,173 +950,44 @@ def _not_applied(source: DataFrame, state: DataFrame, key: str) -> int:
     ).count()
 
 
-# The snapshot summary property (without the ``backfill.`` prefix) of a current-state publish:
-# the fingerprint of what its checks verified (:func:`checks_fingerprint`).
-CHECKED_PROPERTY = "current-checks"
-
-
-def checks_fingerprint(spec: TopicSpec) -> str:
-    """What a current-state publish's checks verify its rows against: the checks, the key and
-    the columns with their contract. A later run checks only the keys it touches (and that
-    the rest equals main's) when main is a publish with this fingerprint."""
-    text = repr((CURRENT_CHECKS, spec.current_rule.key, spec.columns))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-@dataclass
-class _StateAudit:
-    """What the checks measured on a current-state run's branch."""
-
-    scope: str  # "touched keys" or "whole table": the rows the checks read
-    rows: int  # rows on the branch
-    checked_rows: int  # rows in the scope
-    repeated: int  # scope rows minus distinct keys among them
-    contract: CheckOutcome  # over the scope's live rows
-    not_applied: int
-    source_keys: int
-    per_hour: dict[str, int]  # rows per Kafka hour of the window
-    outside: str | None = None  # how the rows outside the scope differ from main's, if they do
-
-
-def _audit_state(
-    spark: SparkSession,
-    spec: TopicSpec,
-    table: str,
-    source: DataFrame,
-    branch: Branch,
-    window: tuple[datetime, datetime],
-) -> _StateAudit:
-    """Measure the branch after the MERGE. When main (the branch's base) is a publish whose
-    checks had this spec's fingerprint, only the rows of the touched keys are checked (found by
-    their keys' 64-bit hashes: a colliding untouched key is checked too), and every other row
-    must equal main's: same count and same sum of row hashes. Otherwise the whole table."""
-    from pyspark.sql import functions as F
-
-    key = spec.current_rule.key
-    state = spark.table(branch.ident)
-    base = branch.main_before
-    verified = base is not None and snapshot_property(
-        table, base, SUMMARY_PREFIX + CHECKED_PROPERTY
-    ) == checks_fingerprint(spec)
-    if not verified:
-        return _audit_frame(spec, source, state, window, "whole table", None)
-    hashes = F.broadcast(source.select(F.xxhash64(key).alias("_h")).distinct())
-    scope = _hashed(state, key).join(hashes, "_h", "left_semi").drop("_h").persist()
-    try:
-        main = spark.table(f"{table}.snapshot_id_{base}")
-        columns = [c for c in state.columns if c in set(main.columns)]
-        mine, theirs = (_outside(f, key, hashes, columns) for f in (state, main))
-        outside = None
-        if mine != theirs:
-            outside = (
-                f"the rows outside the run's keys differ from main's: {mine[0]} rows here, "
-                f"{theirs[0]} on main (or their row hashes differ)"
-            )
-        return _audit_frame(spec, source, scope, window, "touched keys", outside, mine[0])
-    finally:
-        scope.unpersist()
-
-
-def _hashed(frame: DataFrame, key: str) -> DataFrame:
-    from pyspark.sql import functions as F
-
-    return frame.withColumn("_h", F.xxhash64(key))
-
-
-def _outside(frame: DataFrame, key: str, hashes: DataFrame, columns: list[str]) -> tuple[int, Any]:
-    """(rows, sum of row hashes) of the rows of ``frame`` whose key hash is not in ``hashes``:
-    one pass, no shuffle. A row's hash covers every column and which of them are NULL."""
-    from pyspark.sql import functions as F
-
-    row = F.xxhash64(*[F.col(c) for c in columns], *[F.isnull(c) for c in columns])
-    out = _hashed(frame, key).join(hashes, "_h", "left_anti")
-    agg = out.agg(F.count("*").alias("n"), F.sum(row.cast("decimal(38,0)")).alias("s")).first()
-    assert agg is not None
-    return int(agg["n"]), agg["s"]
-
-
-def _audit_frame(
-    spec: TopicSpec,
-    source: DataFrame,
-    frame: DataFrame,
-    window: tuple[datetime, datetime],
-    scope: str,
-    outside: str | None,
-    outside_rows: int = 0,
-) -> _StateAudit:
-    """The checks' figures over ``frame`` (the branch, or its rows of the touched keys)."""
-    from pyspark.sql import functions as F
-
-    key = spec.current_rule.key
-    agg = frame.agg(F.count("*").alias("rows"), F.countDistinct(key).alias("keys")).first()
-    assert agg is not None
-    rows = int(agg["rows"])
-    live = frame.where(~F.col("deleted")).select(*[c.name for c in spec.columns])
-    return _StateAudit(
-        scope=scope,
-        rows=rows + outside_rows,
-        checked_rows=rows,
-        repeated=rows - int(agg["keys"]),
-        contract=checks.schema_contract(live, spec.columns, at_most=rows),
-        not_applied=_not_applied(source, frame, key),
-        source_keys=source.count(),
-        per_hour=rows_per_hour(frame, "kafka_hour", *window),
-        outside=outside,
-    )
-
-
 def _current_outcome(
     spec: TopicSpec,
     raw: DataFrame,
-    audit: _StateAudit,
+    state: DataFrame,
     branch: Branch,
     start: datetime,
     end: datetime,
+    not_applied: int,
+    source_keys: int,
 ) -> DerivedOutcome:
     """The checks of a current-state run's branch and its per-Kafka-hour figures."""
+    from pyspark.sql import functions as F
+
     key = spec.current_rule.key
+    agg = state.agg(F.count("*").alias("rows"), F.countDistinct(key).alias("keys")).first()
+    assert agg is not None
     # Per Kafka hour: raw records read, and state rows whose latest record is from that hour.
     per_hour: dict[str, dict[str, int]] = {}
-    for hour, n in rows_per_hour(raw, "kafka_hour", start, end).items():
-        per_hour.setdefault(hour, {})["raw_records"] = n
-    for hour, n in audit.per_hour.items():
-        per_hour.setdefault(hour, {})["rows"] = n
-    scope = {"checked": audit.scope, "checked_rows": audit.checked_rows}
+    for figure, frame in (("raw_records", raw), ("rows", state)):
+        for hour, n in rows_per_hour(frame, "kafka_hour", start, end).items():
+            per_hour.setdefault(hour, {})[figure] = n
+    live = state.where(~F.col("deleted")).select(*[c.name for c in spec.columns])
+    contract = checks.schema_contract(live, spec.columns, at_most=int(agg["rows"]))
     outcomes = [
-        _with_unchanged(
-            CheckOutcome(
-                "uniqueness",
-                audit.repeated == 0,
-                f"{audit.repeated} repeated {key} ({audit.scope})",
-                {"rows": audit.rows, **scope},
-            ),
-            audit.outside,
+        CheckOutcome(
+            "uniqueness",
+            agg["rows"] == agg["keys"],
+            f"{int(agg['rows']) - int(agg['keys'])} repeated {key}",
+            {"rows": int(agg["rows"])},
         ),
         CheckOutcome(
             "source_applied",
-            audit.not_applied == 0,
-            f"{audit.not_applied} of {audit.source_keys} touched keys do not hold their latest "
-            "raw record",
-            {"source_keys": audit.source_keys, "not_applied": audit.not_applied},
+            not_applied == 0,
+            f"{not_applied} of {source_keys} touched keys do not hold their latest raw record",
+            {"source_keys": source_keys, "not_applied": not_applied},
         ),
-        _with_unchanged(audit.contract, audit.outside, scope),
+        contract,
     ]
     return DerivedOutcome(
-        branch,
-        outcomes,
-        {"source_keys": audit.source_keys, "rows": audit.rows, **scope},
-        per_hour,
-    )
-
-
-def _with_unchanged(
-    check: CheckOutcome, outside: str | None, extra: dict[str, Any] | None = None
-) -> CheckOutcome:
-    """``check``, failed if the rows it did not read (outside the run's keys) are not main's:
-    it then proves nothing about them."""
-    metadata = {**check.metadata, **(extra or {})}
-    if outside is None:
-        return CheckOutcome(check.name, check.passed, check.summary, metadata)
-    return CheckOutcome(
-        check.name, False, f"{check.summary}; {outside}", {**metadata, "outside": outside}
+        branch, outcomes, {"source_keys": source_keys, "rows": int(agg["rows"])}, per_hour
     )

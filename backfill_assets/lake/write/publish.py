@@ -160,7 +160,6 @@ def derived_request(
         "window": f"{window[0].isoformat()}/{window[1].isoformat()}",
         # Which publish of each input the run read (ledger.sync_from_history keeps it).
         "reads": ledger.reads_json(outcome.reads),
-        **outcome.summary,
     }
 
     def rebase(attempt: int) -> tuple[wap.Branch, list[CheckOutcome]]:
@@ -177,7 +176,6 @@ def derived_request(
         outcome.reads.clear()
         outcome.reads.update(again.reads)
         summary["reads"] = ledger.reads_json(outcome.reads)
-        summary.update(again.summary)
         return again.branch, again.checks
 
     return PublishRequest(

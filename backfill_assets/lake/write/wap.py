@@ -312,16 +312,6 @@ def committed_by(table: str, ref: str, since: int | None, run_id: str) -> bool:
     return False
 
 
-def snapshot_property(table: str, snapshot_id: int, key: str) -> str | None:
-    """Property ``key`` of snapshot ``snapshot_id``'s summary (None if the snapshot or the
-    property is gone), from the catalog's current metadata (pyiceberg)."""
-    snap = _iceberg_table(table).metadata.snapshot_by_id(snapshot_id)
-    if snap is None or snap.summary is None:
-        return None
-    value = snap.summary.get(key)
-    return None if value is None else str(value)
-
-
 def main_summary(spark: SparkSession, table: str) -> dict[str, str]:
     """The snapshot summary of main's current snapshot (empty if the table has none)."""
     snap = ref_snapshot_id(spark, table, "main")
