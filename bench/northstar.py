@@ -376,13 +376,17 @@ def rss_sampler(home: str, every_s: float = 0.5) -> Iterator[dict[str, dict[int,
 # --------------------------------------------------------------------------------------------
 
 
-def by_asset(instance: Any, backfill_id: str) -> tuple[dict[str, dict[str, float]], list[str]]:
+def by_asset(
+    instance: Any, backfill_id: str
+) -> tuple[dict[str, dict[str, float]], list[str], dict[str, list[tuple[str, float]]]]:
     """Per asset: runs, step seconds (STEP_START -> STEP_SUCCESS/FAILURE of the step that
-    materialized it), materializations; and the refusals (failed runs, failed checks)."""
+    materialized it), materializations; the refusals (failed runs, failed checks); and per
+    asset, each run's (first partition, step seconds), in partition order."""
     import dagster as dg
 
     runs = instance.get_runs(dg.RunsFilter(tags={"dagster/backfill": backfill_id}))
     out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    per_run: dict[str, list[tuple[str, float]]] = defaultdict(list)
     refusals = []
     for run in runs:
         if run.status != dg.DagsterRunStatus.SUCCESS:
@@ -407,9 +411,16 @@ def by_asset(instance: Any, backfill_id: str) -> tuple[dict[str, dict[str, float
                     refusals.append(f"check {check.asset_check_key.to_user_string()} failed")
         for step, names in assets_of.items():
             label = " + ".join(sorted(names))
+            seconds = ended.get(step, 0.0) - started.get(step, 0.0)
             out[label]["runs"] += 1
-            out[label]["seconds"] += ended.get(step, 0.0) - started.get(step, 0.0)
-    return {k: dict(v) for k, v in out.items()}, refusals
+            out[label]["seconds"] += seconds
+            first = run.tags.get("dagster/asset_partition_range_start", "")
+            per_run[label].append((first, seconds))
+    return (
+        {k: dict(v) for k, v in out.items()},
+        refusals,
+        {k: sorted(v) for k, v in per_run.items()},
+    )
 
 
 def _on_change() -> Any:
@@ -760,7 +771,7 @@ def main() -> None:
             phases = latency.breakdown(
                 instance, cat, settings.catalog.namespace, tables, backfill_id, clicked
             )
-            assets, refusals = by_asset(instance, backfill_id)
+            assets, refusals, per_run = by_asset(instance, backfill_id)
         checks = verify(cat, settings.catalog.namespace, spec, history, first, end, declared)
     finally:
         broker.stop()
@@ -782,6 +793,7 @@ def main() -> None:
     print("by asset (runs, step seconds):")
     for name, figures in sorted(assets.items()):
         print(f"  {name}: {figures['runs']:.0f} run(s), {figures['seconds']:.1f} s")
+        print("    per run: " + ", ".join(f"{first} {s:.1f} s" for first, s in per_run[name]))
     print(
         f"peak RSS of run workers: python {python_mib:,.0f} MiB, Spark JVM {jvm_mib:,.0f} MiB "
         f"({len(peaks['python'])} worker(s), {len(peaks['jvm'])} child process(es))"

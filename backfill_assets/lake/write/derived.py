@@ -34,6 +34,7 @@ function returns the branch and the audit outcomes it computed on that branch.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -677,22 +678,41 @@ def build_current(
     pin = ref_snapshot(spark, raw_table, "main") if spark.catalog.tableExists(raw_table) else None
     pinned = f"{raw_table}.snapshot_id_{pin[0]}" if pin is not None else raw_table
     raw = spark.table(pinned)
+    clock = _Clock()
     source = _current_source(spark, spec, pinned, raw, table, start, end)
+    clock.lap("source")
     try:
         view = f"_current_src_{run_id.replace('-', '_')}_{attempt}"
         source.createOrReplaceTempView(view)
         branch = open_branch(spark, table, run_id, attempt)
         _merge_current(spark, branch, view, key, payload)
+        clock.lap("merge")
         state = spark.table(branch.ident)
         not_applied = _not_applied(source, state, key)
         source_keys = source.count()
+        clock.lap("source_applied")
         spark.catalog.dropTempView(view)
     finally:
         source.unpersist()
     outcome = _current_outcome(spec, raw, state, branch, start, end, not_applied, source_keys)
+    clock.lap("checks")
+    outcome.metadata["seconds"] = clock.laps
     if pin is not None:
         outcome.reads[raw_table] = pin
     return outcome
+
+
+class _Clock:
+    """Seconds per phase of a run (its metadata: where a run's time went)."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._at = time.monotonic()
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.laps[name] = round(now - self._at, 2)
+        self._at = now
 
 
 def _ensure_current_table(spark: SparkSession, spec: TopicSpec, table: str) -> None:
