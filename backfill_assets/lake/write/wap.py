@@ -135,12 +135,16 @@ def ref_sql(spark: SparkSession, table: str, statement: str, attempts: int = 5) 
     atomic catalog commit, or nothing. Iceberg refuses a ref change whose table metadata is
     older than the catalog's ("Table metadata refresh is required": another run committed to
     the table, e.g. to its own branch, since this session loaded it) and does not retry that
-    itself; this refreshes the table and retries."""
+    itself; this refreshes the table and retries.
+
+    ``spark.sql`` runs a command (DDL, ``CALL``) when it is called, in a classic session as
+    over Spark Connect, so nothing is collected: over Connect a ``collect()`` of its result
+    would cost two more round trips (the rows, and a setting the client reads for them)."""
 
     def commit(attempt: int) -> None:
         if attempt:
             spark.sql(f"REFRESH TABLE {table}")
-        spark.sql(statement).collect()
+        spark.sql(statement)
 
     retry_commit(
         commit,
