@@ -299,6 +299,18 @@ def ref_snapshot(spark: SparkSession, table: str, ref: str) -> tuple[int, int] |
     return int(found.snapshot_id), int(snap.sequence_number or 0)
 
 
+def ref_summary(table: str, ref: str) -> dict[str, str]:
+    """The summary of the snapshot ``ref`` of ``table`` points at now, as Spark's
+    ``snapshots`` metadata table shows it (without the operation; empty if there is no such
+    ref), read by pyiceberg from the catalog's current metadata."""
+    meta = _iceberg_table(table).metadata
+    found = meta.refs.get(ref)
+    snap = None if found is None else meta.snapshot_by_id(found.snapshot_id)
+    if snap is None or snap.summary is None:
+        return {}
+    return {str(k): str(v) for k, v in snap.summary.additional_properties.items()}
+
+
 def committed_by(table: str, ref: str, since: int | None, run_id: str) -> bool:
     """Whether a snapshot of ``ref``'s ancestry after snapshot ``since`` (None: all of it)
     records ``run_id`` in its summary (pyiceberg: the catalog's current metadata)."""
