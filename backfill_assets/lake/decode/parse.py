@@ -127,7 +127,8 @@ def parse(
     elif spec.format == "json_schema":
         # The header's id, carried through the JSON stages; the JSON is what follows it.
         payload = F.expr(f"substring(value, {WIRE_HEADER + 1})")
-        df, kafka_cols = json_stage(spec, raw.select("*", id_column().alias("_sid")), payload)
+        with_id = raw.select("*", id_column().alias("_sid"))
+        df, kafka_cols = json_stage(spec, with_id, payload, sid=True)
         body = F.expr(f"substring(kafka_value, {WIRE_HEADER + 1})")
         assert not isinstance(writers, debezium_avro.Writers)
         rules = json_schema.wire_rules(writers or {})
