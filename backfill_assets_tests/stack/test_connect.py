@@ -209,7 +209,12 @@ def test_session_settings_cost_one_request_and_an_earlier_callers_do_not_stay(
     session = spark.remote_builder(RemoteSession.builder, connect_server.url, TOKEN).create()
     sent: list[str | None] = []
     config = session.client.config
-    session.client.config = lambda op: (sent.append(op.WhichOneof("op_type")), config(op))[1]
+
+    def counted(op: Any) -> Any:
+        sent.append(op.WhichOneof("op_type"))
+        return config(op)
+
+    session.client.config = counted
     key = f"test://{uuid.uuid4().hex}"  # this test's entry of the per-URL bookkeeping
     zone = {"spark.sql.session.timeZone": "UTC"}
     try:
