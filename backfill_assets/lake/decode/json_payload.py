@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from backfill_assets.lake.decode.envelope import KAFKA_STAGE_COLUMNS, kafka_columns
+from backfill_assets.lake.decode.envelope import KAFKA_STAGE_COLUMNS, id_column, kafka_columns
 from backfill_assets.spec.model import SPARK_TYPES, TopicSpec
 
 if TYPE_CHECKING:
@@ -23,7 +23,8 @@ def json_stage(
 ) -> tuple[DataFrame, list[str]]:
     """The Kafka columns, ``_invalid_json``, ``schema_version``, ``_object`` and the spec's
     columns read from the JSON payload (``payload``, default the Kafka value); and the names of
-    the Kafka columns (with ``_sid``, which ``raw`` then has, if ``sid``)."""
+    the Kafka columns. With ``sid``, the value's schema id (``id_column()``) is carried along
+    as ``_sid``, one of those names."""
     from pyspark.sql import functions as F
 
     from backfill_assets.spec.transforms import StrictReader, json_field, reading
@@ -39,6 +40,8 @@ def json_stage(
             version_expr = json_field(v, f"$.{spec.version_field}", "int")
         upcast = {ver: spec.upcaster(ver)(v) for ver in spec.versions}
         present = reader.field(f"$.{spec.key_field}", "present")
+    if sid:
+        raw = raw.select("*", id_column().alias("_sid"))
     df, kafka_cols = payload_stage(raw, reader, payload, sid=sid)
     df = df.select(
         *kafka_cols,
