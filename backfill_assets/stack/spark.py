@@ -256,6 +256,8 @@ def _warn_fixed_settings(session: SparkSession, conf: Mapping[str, str]) -> None
 # configuration); a client may only change the per-session ones.
 _SERVER_SQL = ("spark.sql.extensions", "spark.sql.catalog.", "spark.sql.warehouse.dir")
 _connect_sessions: dict[str, SparkSession] = {}
+# Per URL: the session and the settings this process last gave it (_apply_confs).
+_applied_confs: dict[str, tuple[Any, dict[str, str]]] = {}
 
 
 def is_connect(session: SparkSession) -> bool:
@@ -330,10 +332,30 @@ def connect_session(
     conf = {**_session_sql(settings), **settings.spark_extra_conf}
     for key, value in (extra or {}).items():
         conf[key] = str(value).lower() if isinstance(value, bool) else str(value)
-    confs = session_confs(conf)
-    for key, value in confs.items():
-        session.conf.set(key, value)
+    _apply_confs(url, session, session_confs(conf))
     return session
+
+
+def _apply_confs(url: str, session: Any, confs: dict[str, str]) -> None:
+    """Give the session exactly ``confs`` of the settings this module sets: all in one Config
+    request (one round trip, not one per setting), none when they are what this process last
+    gave the same session; a setting an earlier caller gave and this one does not is unset,
+    so one run's ``spark_config`` never outlives it in the process's shared session."""
+    from pyspark.sql.connect import proto
+
+    before_session, before = _applied_confs.get(url, (None, {}))
+    if before_session is not session:
+        before = {}
+    elif before == confs:
+        return
+    stale = [k for k in before if k not in confs]
+    if stale:
+        session.client.config(
+            proto.ConfigRequest.Operation(unset=proto.ConfigRequest.Unset(keys=stale))
+        )
+    pairs = [proto.KeyValue(key=k, value=v) for k, v in confs.items()]
+    session.client.config(proto.ConfigRequest.Operation(set=proto.ConfigRequest.Set(pairs=pairs)))
+    _applied_confs[url] = (session, dict(confs))
 
 
 def probe(url: str, timeout_s: float, token: str | None = None) -> str | None:

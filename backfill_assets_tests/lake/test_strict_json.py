@@ -231,3 +231,29 @@ def test_an_upcaster_that_reads_the_variant_itself_still_works(
         assert plan.count("parseJson") == 1, plan
     finally:
         parsed.unpersist()
+
+
+def test_the_stages_name_their_kafka_columns_as_spark_does(spark_session: SparkSession) -> None:
+    """The JSON and wire-format stages name the Kafka columns they carry without asking Spark
+    (over Spark Connect each ``.columns`` is a round trip): the names must be the ones Spark
+    gives ``kafka_columns()``, in order, with ``_sid`` where the stage carries it."""
+    from pyspark.sql import functions as F
+
+    from backfill_assets.lake.decode.envelope import id_column, kafka_columns, wire_stage
+
+    hour = datetime(2026, 7, 1, tzinfo=UTC)
+    source = spark_session.createDataFrame(
+        [("t", 0, 0, hour, hour, 0, b"k", b'{"a":1}')],
+        "topic string, partition int, offset long, timestamp timestamp, kafka_hour timestamp, "
+        "record_hash long, key binary, value binary",
+    )
+    spark_names = source.select(*kafka_columns()).columns
+    with_id = source.select("*", id_column().alias("_sid"))
+    reader = StrictReader(F.col("_v"), "_j")
+    _df, names = json_payload.payload_stage(source, reader)
+    assert names == spark_names
+    df, names = json_payload.payload_stage(with_id, reader, sid=True)
+    assert names == [*spark_names, "_sid"]
+    assert df.columns == [*names, "_j", "_v"]
+    df, names = wire_stage(source)
+    assert names == spark_names and df.columns == [*spark_names, "_sid"]

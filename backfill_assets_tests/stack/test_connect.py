@@ -195,6 +195,43 @@ def test_a_client_without_the_token_is_refused_and_the_token_stays_hidden(
     assert TOKEN not in server.status().describe()
 
 
+def test_session_settings_cost_one_request_and_an_earlier_callers_do_not_stay(
+    connect_server: Server,
+) -> None:
+    """What connect_session gives a session: every setting in one Config request, no request
+    when this process already gave the same session the same settings, and a setting an
+    earlier caller gave (one run's spark_config) unset once a caller no longer gives it. The
+    session is the Connect client's own class, so this process stays classic."""
+    from pyspark.sql.connect.session import SparkSession as RemoteSession
+
+    from backfill_assets.stack import spark
+
+    session = spark.remote_builder(RemoteSession.builder, connect_server.url, TOKEN).create()
+    sent: list[str | None] = []
+    config = session.client.config
+
+    def counted(op: Any) -> Any:
+        sent.append(op.WhichOneof("op_type"))
+        return config(op)
+
+    session.client.config = counted
+    key = f"test://{uuid.uuid4().hex}"  # this test's entry of the per-URL bookkeeping
+    zone = {"spark.sql.session.timeZone": "UTC"}
+    try:
+        spark._apply_confs(key, session, {**zone, "spark.sql.shuffle.partitions": "13"})
+        spark._apply_confs(key, session, {**zone, "spark.sql.shuffle.partitions": "13"})
+        assert sent == ["set"]
+        assert session.conf.get("spark.sql.shuffle.partitions") == "13"
+        sent.clear()
+        spark._apply_confs(key, session, zone)
+        assert sent == ["unset", "set"]
+        assert session.conf.get("spark.sql.shuffle.partitions") != "13"
+        assert session.conf.get("spark.sql.session.timeZone") == "UTC"
+    finally:
+        spark._applied_confs.pop(key, None)
+        session.stop()
+
+
 # slow tier (CI runs it): ~55 s; the cluster tier runs test_exactness over Connect as well.
 @pytest.mark.slow
 def test_backfill_over_connect_publishes_what_was_produced(

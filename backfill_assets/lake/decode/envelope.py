@@ -53,6 +53,21 @@ def kafka_columns() -> list[Column]:
     ]
 
 
+# The names of kafka_columns(), in order: known here, so no stage asks Spark for a frame's
+# columns (over Spark Connect, a round trip each time).
+KAFKA_STAGE_COLUMNS = (
+    "topic",
+    "kafka_partition",
+    "kafka_offset",
+    "kafka_timestamp",
+    "kafka_hour",
+    "record_hash",
+    "kafka_key",
+    "kafka_value",
+    "is_tombstone",
+)
+
+
 def id_column() -> Column:
     """The schema id of the Kafka ``value`` column (NULL unless in the wire format)."""
     from pyspark.sql import functions as F
@@ -67,4 +82,4 @@ def wire_stage(raw: DataFrame) -> tuple[DataFrame, list[str]]:
     the names of the Kafka columns."""
 
     df = raw.select(*kafka_columns(), id_column().alias("_sid"))
-    return df, [c for c in df.columns if c != "_sid"]
+    return df, list(KAFKA_STAGE_COLUMNS)

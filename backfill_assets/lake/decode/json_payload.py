@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from backfill_assets.lake.decode.envelope import kafka_columns
+from backfill_assets.lake.decode.envelope import KAFKA_STAGE_COLUMNS, id_column, kafka_columns
 from backfill_assets.spec.model import SPARK_TYPES, TopicSpec
 
 if TYPE_CHECKING:
@@ -19,11 +19,12 @@ _END = "backfill-assets:end-of-record"
 
 
 def json_stage(
-    spec: TopicSpec, raw: DataFrame, payload: Column | None = None
+    spec: TopicSpec, raw: DataFrame, payload: Column | None = None, *, sid: bool = False
 ) -> tuple[DataFrame, list[str]]:
     """The Kafka columns, ``_invalid_json``, ``schema_version``, ``_object`` and the spec's
     columns read from the JSON payload (``payload``, default the Kafka value); and the names of
-    the Kafka columns (with ``_sid`` if ``raw`` has it)."""
+    the Kafka columns. With ``sid``, the value's schema id (``id_column()``) is carried along
+    as ``_sid``, one of those names."""
     from pyspark.sql import functions as F
 
     from backfill_assets.spec.transforms import StrictReader, json_field, reading
@@ -39,7 +40,9 @@ def json_stage(
             version_expr = json_field(v, f"$.{spec.version_field}", "int")
         upcast = {ver: spec.upcaster(ver)(v) for ver in spec.versions}
         present = reader.field(f"$.{spec.key_field}", "present")
-    df, kafka_cols = payload_stage(raw, reader, payload)
+    if sid:
+        raw = raw.select("*", id_column().alias("_sid"))
+    df, kafka_cols = payload_stage(raw, reader, payload, sid=sid)
     df = df.select(
         *kafka_cols,
         "_j",
@@ -72,14 +75,15 @@ def json_stage(
 
 
 def payload_stage(
-    raw: DataFrame, reader: StrictReader, payload: Column | None = None
+    raw: DataFrame, reader: StrictReader, payload: Column | None = None, *, sid: bool = False
 ) -> tuple[DataFrame, list[str]]:
-    """The Kafka columns, the strict reader's struct ``_j`` and the payload as VARIANT ``_v``
-    (NULL unless the text is exactly one JSON value); and the names of the Kafka columns."""
+    """The Kafka columns (with ``_sid``, which ``raw`` then has, if ``sid``), the strict
+    reader's struct ``_j`` and the payload as VARIANT ``_v`` (NULL unless the text is exactly
+    one JSON value); and the names of the Kafka columns, known without asking Spark."""
     from pyspark.sql import functions as F
 
     value_str = (F.col("value") if payload is None else payload).cast("string")
-    carried = [F.col("_sid")] if "_sid" in raw.columns else []
+    carried = [F.col("_sid")] if sid else []
     # A field the JVM reader cannot read (an upcaster's own VARIANT expression) reads ``_v``,
     # the payload as VARIANT; unused, Spark prunes it and the text is parsed once.
     # Spark's JSON parser stops after the first value, so '{...} junk' or '{...}{...}' would
@@ -91,7 +95,7 @@ def payload_stage(
         reader.call(raw.sparkSession, value_str).alias("_j"),
         F.try_parse_json(F.concat(F.lit("["), value_str, F.lit(f',"{_END}"]'))).alias("_w"),
     )
-    kafka_cols = [c for c in df.columns if c not in ("_j", "_w")]
+    kafka_cols = [*KAFKA_STAGE_COLUMNS, *(["_sid"] if sid else [])]
     w = F.col("_w")
     whole = (F.try_variant_get(w, "$[1]", "string") == F.lit(_END)) & F.try_variant_get(
         w, "$[2]", "variant"

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.lake.decode import avro, debezium, debezium_avro, json_schema, protobuf
-from backfill_assets.lake.decode.envelope import KAFKA_COLUMNS, WIRE_HEADER, id_column
+from backfill_assets.lake.decode.envelope import KAFKA_COLUMNS, WIRE_HEADER
 from backfill_assets.lake.decode.json_payload import json_rules, json_stage
 from backfill_assets.spec.model import CDC_NAMES, ColumnSpec, TopicSpec
 from backfill_assets.stack.spark import cache_on_disk
@@ -127,7 +127,7 @@ def parse(
     elif spec.format == "json_schema":
         # The header's id, carried through the JSON stages; the JSON is what follows it.
         payload = F.expr(f"substring(value, {WIRE_HEADER + 1})")
-        df, kafka_cols = json_stage(spec, raw.select("*", id_column().alias("_sid")), payload)
+        df, kafka_cols = json_stage(spec, raw, payload, sid=True)
         body = F.expr(f"substring(kafka_value, {WIRE_HEADER + 1})")
         assert not isinstance(writers, debezium_avro.Writers)
         rules = json_schema.wire_rules(writers or {})

@@ -165,8 +165,10 @@ def attribute(spark: SparkSession, source: DataFrame, contract: OffsetContract) 
         & (F.col("offset") < F.col("w_end")),
         "left",
     )
+    # The source's columns, then the two tags: the cells' columns dropped by name, so Spark is
+    # not asked for the source's columns (over Spark Connect, a round trip).
     return joined.select(
-        *source.columns,
+        "*",
         F.timestamp_millis(F.col("w_ms")).alias("kafka_hour"),
         record_hash_expr().alias("record_hash"),
-    )
+    ).drop(*schema.names)

@@ -44,6 +44,7 @@ from backfill_assets.lake.write.wap import (
     pending_quarantine,
     ref_snapshot_id,
     ref_sql,
+    ref_summary,
 )
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack import faults
@@ -130,12 +131,10 @@ def audit_summary(contract: OffsetContract, run_id: str) -> dict[str, str]:
 
 
 def branch_write_stats(spark: SparkSession, branch: Branch) -> dict[str, int]:
-    """Numeric figures of the snapshot at the head of ``branch`` (files and bytes added...)."""
-    row = spark.sql(
-        f"SELECT s.summary FROM {branch.table}.snapshots s JOIN {branch.table}.refs r "
-        f"ON s.snapshot_id = r.snapshot_id WHERE r.name = '{branch.name}'"
-    ).first()
-    summary = dict(row[0]) if row is not None else {}
+    """Numeric figures of the snapshot at the head of ``branch`` (files and bytes added...),
+    from the catalog's current metadata (:func:`ref_summary`: no Spark query, which over Spark
+    Connect costs three round trips)."""
+    summary = ref_summary(branch.table, branch.name)
     return {k: int(v) for k, v in summary.items() if v.isdigit()}
 
 

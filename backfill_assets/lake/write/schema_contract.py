@@ -64,21 +64,33 @@ def _failures(schema: pa.DataFrameSchema, frame: pd.DataFrame) -> list[tuple[str
 def _violations_here(events: DataFrame, columns: tuple[ColumnSpec, ...]) -> dict[str, int] | None:
     """The violations, validated in this process; None if ``events`` holds more rows than
     :data:`CONTRACT_DRIVER_ROWS` after all (then the executors validate them)."""
-    conf = events.sparkSession.conf
-    before = conf.get(_ARROW_TO_PANDAS, None)
-    conf.set(_ARROW_TO_PANDAS, "true")  # the conversion mapInPandas uses, for this call only
-    try:
-        frame = events.limit(CONTRACT_DRIVER_ROWS + 1).toPandas()
-    finally:
-        if before is None:
-            conf.unset(_ARROW_TO_PANDAS)
-        else:
-            conf.set(_ARROW_TO_PANDAS, before)
+    frame = _to_pandas(events.limit(CONTRACT_DRIVER_ROWS + 1))
     if len(frame) > CONTRACT_DRIVER_ROWS:
         return None
     return {
         f"{col}: {check}": n for col, check, n in _failures(contract_schema(columns), frame) if n
     }
+
+
+def _to_pandas(events: DataFrame) -> pd.DataFrame:
+    """``events`` as pandas, converted through Arrow as mapInPandas converts them. A Spark
+    Connect client always converts through Arrow (and ignores the setting), so only a classic
+    session has it switched on, for this call only: over Connect that would cost three round
+    trips (read, set and restore the setting)."""
+    from backfill_assets.stack.spark import is_connect
+
+    if is_connect(events.sparkSession):
+        return events.toPandas()
+    conf = events.sparkSession.conf
+    before = conf.get(_ARROW_TO_PANDAS, None)
+    conf.set(_ARROW_TO_PANDAS, "true")
+    try:
+        return events.toPandas()
+    finally:
+        if before is None:
+            conf.unset(_ARROW_TO_PANDAS)
+        else:
+            conf.set(_ARROW_TO_PANDAS, before)
 
 
 def _violations_in_spark(

@@ -135,12 +135,16 @@ def ref_sql(spark: SparkSession, table: str, statement: str, attempts: int = 5) 
     atomic catalog commit, or nothing. Iceberg refuses a ref change whose table metadata is
     older than the catalog's ("Table metadata refresh is required": another run committed to
     the table, e.g. to its own branch, since this session loaded it) and does not retry that
-    itself; this refreshes the table and retries."""
+    itself; this refreshes the table and retries.
+
+    ``spark.sql`` runs a command (DDL, ``CALL``) when it is called, in a classic session as
+    over Spark Connect, so nothing is collected: over Connect a ``collect()`` of its result
+    would cost two more round trips (the rows, and a setting the client reads for them)."""
 
     def commit(attempt: int) -> None:
         if attempt:
             spark.sql(f"REFRESH TABLE {table}")
-        spark.sql(statement).collect()
+        spark.sql(statement)
 
     retry_commit(
         commit,
@@ -293,6 +297,18 @@ def ref_snapshot(spark: SparkSession, table: str, ref: str) -> tuple[int, int] |
     snap = meta.snapshot_by_id(found.snapshot_id)
     assert snap is not None
     return int(found.snapshot_id), int(snap.sequence_number or 0)
+
+
+def ref_summary(table: str, ref: str) -> dict[str, str]:
+    """The summary of the snapshot ``ref`` of ``table`` points at now, as Spark's
+    ``snapshots`` metadata table shows it (without the operation; empty if there is no such
+    ref), read by pyiceberg from the catalog's current metadata."""
+    meta = _iceberg_table(table).metadata
+    found = meta.refs.get(ref)
+    snap = None if found is None else meta.snapshot_by_id(found.snapshot_id)
+    if snap is None or snap.summary is None:
+        return {}
+    return {str(k): str(v) for k, v in snap.summary.additional_properties.items()}
 
 
 def committed_by(table: str, ref: str, since: int | None, run_id: str) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -83,9 +84,19 @@ class StrictReader:
         )
         struct = f"struct<whole: boolean, object: boolean{', ' if fields else ''}{fields}>"
         name = "backfill_strict_json_" + hashlib.sha256(request.encode()).hexdigest()[:16]
-        if not spark.catalog.functionExists(name):  # the name says what it returns
-            spark.udf.registerJavaFunction(name, STRICT_JSON_CLASS, _parse_datatype_string(struct))
+        # The name says what it returns. A session remembers its functions, so each session is
+        # asked about a name once: over Spark Connect, functionExists is a round trip.
+        known = _REGISTERED.setdefault(spark, set())
+        if name not in known:
+            if not spark.catalog.functionExists(name):
+                struct_type = _parse_datatype_string(struct)
+                spark.udf.registerJavaFunction(name, STRICT_JSON_CLASS, struct_type)
+            known.add(name)
         return F.call_function(name, text, F.lit(request))
+
+
+# Per live session: the StrictReader functions it is known to have.
+_REGISTERED: weakref.WeakKeyDictionary[SparkSession, set[str]] = weakref.WeakKeyDictionary()
 
 
 _READER: ContextVar[StrictReader | None] = ContextVar("strict_reader", default=None)
