@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.lake.decode import avro, debezium, debezium_avro, json_schema, protobuf
-from backfill_assets.lake.decode.envelope import KAFKA_COLUMNS, WIRE_HEADER
+from backfill_assets.lake.decode.envelope import KAFKA_COLUMNS, KAFKA_STAGE_COLUMNS, WIRE_HEADER
 from backfill_assets.lake.decode.json_payload import json_rules, json_stage
 from backfill_assets.spec.model import CDC_NAMES, ColumnSpec, TopicSpec
 from backfill_assets.stack.spark import cache_on_disk
@@ -221,14 +221,7 @@ def _quarantine(parsed: DataFrame) -> DataFrame:
     from pyspark.sql import functions as F
 
     return parsed.where(F.col("_reason").isNotNull()).select(
-        "topic",
-        "kafka_partition",
-        "kafka_offset",
-        "kafka_timestamp",
-        "kafka_hour",
-        "record_hash",
-        "kafka_key",
-        "kafka_value",
+        *(c for c in KAFKA_STAGE_COLUMNS if c != "is_tombstone"),
         F.col("_reason").alias("reason"),
         "ingest_run_id",
         F.length("kafka_key").alias("key_bytes"),
