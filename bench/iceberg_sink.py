@@ -22,14 +22,27 @@ contract), and keeps the ground truth from the delivery reports. Then, in the sa
     until a table snapshot committed after its consumer group's offsets reached the end of
     every partition (the sink commits source offsets when its workers hand their files to the
     coordinator; the coordinator's next commit holds them);
-(c) the sink again into another table, its worker killed (SIGKILL by PID) once the first
-    snapshot is in, restarted, and waited for as in (b).
+(c), (d) the sink again, each into its own table, its worker killed (SIGKILL by PID) and
+    restarted (on another REST port): (c) as soon as its task's consumer has its start
+    positions (reading, nothing committed), (d) once the table's first snapshot is in (with a
+    ``--kill-commit-interval-ms`` commit interval); each waited for as in (b).
 
-Every table is then compared with the truth: rows, rows beyond one per event id (re-sends and
-corrections are kept as rows by both: the raw table keeps every committed record with its
-Kafka position), rows of aborted transactions, bad records present, committed events missing;
-(c) also against (b): event ids lost or written more often after the kill. Prints a table,
-the records/s of (a) and (b) and their ratio, and the load average (1 min).
+Every table is then compared with the truth: rows, rows without an event id (tombstones), rows
+beyond one per event id (the raw table keeps every committed record, re-sends and corrections
+included, so its figure is exactly committed records - event ids), rows whose event id only
+aborted transactions carry, bad JSON records present, committed events missing; (c) and (d)
+also against (b): rows lost or added after the kill. Prints a table, the records/s of (a) and
+(b) over the topic's offsets and their ratio, and the load average (1 min).
+
+What the sink does with this history, as measured: Kafka Connect's sink consumer reads with
+``isolation.level=read_uncommitted`` (Connect's default; ``--read-committed`` overrides it), so
+every record of an aborted transaction lands in the table; tombstones (null values) are dropped
+without a trace; records that are not JSON go to the dead-letter topic (with the default
+``errors.tolerance=none`` they fail the task); JSON records outside the contract are written as
+they are; re-sends and corrections are appended like any record, with no Kafka position to tell
+them apart (the sink writes none). Its offsets are committed to group ``connect-<name>`` only
+up to the last record it wrote, so a partition that ends in records sent to the dead-letter
+topic never shows the group at its end.
 
 Run from the repository root (jars resolved by scripts/bootstrap.sh; the iceberg-sink set is
 resolved by the first run, ~60 MB from Maven Central):
@@ -82,7 +95,7 @@ def loadavg() -> str:
 @dataclass
 class History:
     truth: hostile.HostileTruth
-    bad_ids: set[str | None]  # event ids of the bad records (None: not JSON)
+    bad_ids: set[str]  # event ids of the bad records that are JSON
     ends: dict[int, int]  # per partition, the offset after its last JSON record
     offsets: int  # the topic's offsets (markers included)
 
@@ -108,7 +121,7 @@ def generate(settings: Settings, args: argparse.Namespace) -> History:
     for r in merged.records:  # the sink commits offsets after the records it writes
         if r.value is not None and _is_json(r.value):
             ends[r.partition] = max(ends[r.partition], r.offset + 1)
-    bad_ids = {r.payload().get("event_id") if _is_json(r.value) else None for r in bad}
+    bad_ids = {r.payload().get("event_id") for r in bad if _is_json(r.value)}
     offsets = sum(hw for _low, _lso, hw in KafkaClient(settings).log_ends(TOPIC).values())
     return History(merged, bad_ids, dict(ends), offsets)
 
@@ -127,7 +140,8 @@ def _is_json(value: bytes | None) -> bool:
 
 
 def raw_asset(args: argparse.Namespace) -> tuple[float, str]:
-    """Warm up on the first hour, then the whole history into fresh tables; seconds, table."""
+    """Warm up on the first hour, then the whole history (every Kafka-time hour that holds a
+    record) into fresh tables; seconds, table."""
     from backfill_assets.spec.loader import load_specs
 
     (spec,) = [s for s in load_specs() if s.topic == TOPIC]
@@ -135,7 +149,9 @@ def raw_asset(args: argparse.Namespace) -> tuple[float, str]:
     throughput.use_namespace("warmup")
     throughput.materialize(spec, first, first + timedelta(hours=1))
     throughput.use_namespace("raw")
-    seconds, _meta = throughput.materialize(spec, first, first + timedelta(hours=args.hours))
+    # One hour more on each side: skewed producer clocks stamp records outside the true hours.
+    hour = timedelta(hours=1)
+    seconds, _meta = throughput.materialize(spec, first - hour, first + (args.hours + 1) * hour)
     return seconds, f"{os.environ['BACKFILL_NAMESPACE']}.{spec.raw_table}"
 
 
@@ -202,6 +218,8 @@ def sink_config(
         "errors.deadletterqueue.context.headers.enable": "true",
         # A killed worker's consumers leave their groups after 10 s, not 45 s.
         "consumer.override.session.timeout.ms": "10000",
+        # Kafka Connect's sink consumers read uncommitted records unless told otherwise.
+        **({"consumer.override.isolation.level": "read_committed"} if args.read_committed else {}),
     }
 
 
@@ -214,15 +232,20 @@ def create_topics(settings: Settings, names: list[str]) -> None:
         future.result(30)
 
 
-def group_at_end(settings: Settings, group: str, ends: dict[int, int]) -> bool:
-    """Whether consumer group ``group`` committed every partition's end offset."""
+def group_offsets(settings: Settings, group: str, ends: dict[int, int]) -> dict[int, int]:
+    """Consumer group ``group``'s committed offsets of the topic (-1: none yet)."""
     from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
     from confluent_kafka.admin import AdminClient
 
     admin = AdminClient(dict(settings.kafka.client_config()))
     asked = ConsumerGroupTopicPartitions(group, [TopicPartition(TOPIC, p) for p in ends])
     found = admin.list_consumer_group_offsets([asked])[group].result(30)
-    got = {tp.partition: tp.offset for tp in found.topic_partitions}
+    return {tp.partition: tp.offset for tp in found.topic_partitions}
+
+
+def group_at_end(settings: Settings, group: str, ends: dict[int, int]) -> bool:
+    """Whether consumer group ``group`` committed every partition's end offset."""
+    got = group_offsets(settings, group, ends)
     return all(got.get(p, -1) >= end for p, end in ends.items())
 
 
@@ -302,22 +325,39 @@ def run_killed(
     table: str,
     args: argparse.Namespace,
     ends: dict[int, int],
-) -> float:
-    """(c): as (b), the worker SIGKILLed once the first snapshot is in, then restarted."""
+    at: str,
+) -> str:
+    """(c), (d): as (b), the worker SIGKILLed once its task reads the topic (``reading``: the
+    consumer has its start positions, nothing is committed yet) or once the table's first
+    snapshot is in (``first-commit``), then restarted; what the kill interrupted."""
+    args = argparse.Namespace(**{**vars(args), "commit_interval_ms": args.kill_commit_interval_ms})
+    mark = worker.log_path.stat().st_size
     worker.put_connector(name, sink_config(settings, name, table, args), 120)
     deadline = time.monotonic() + args.timeout
-    while snapshot_ms(settings, table) is None and time.monotonic() < deadline:
-        time.sleep(0.2)
+    started = f"connector-consumer-{name}-0, groupId=connect-{name}] Resetting offset"
+    while time.monotonic() < deadline:
+        if at == "reading" and started in _log_since(worker.log_path, mark):
+            break
+        if at == "first-commit" and snapshot_ms(settings, table) is not None:
+            break
+        time.sleep(0.05)
     pid = worker.running_pid()
     assert pid is not None
-    killed_at = table_rows(settings, table)
     os.kill(pid, signal.SIGKILL)
     while worker.running_pid() is not None:
         time.sleep(0.1)
-    print(f"  killed worker pid {pid} with {killed_at:,} rows committed", flush=True)
+    committed = sum(max(0, o) for o in group_offsets(settings, f"connect-{name}", ends).values())
+    rows = table_rows(settings, table) if snapshot_ms(settings, table) is not None else 0
     worker.port = free_port()  # the killed JVM's REST port may linger a while
     worker.start(240)
-    return wait_done(settings, worker, name, table, ends, args)
+    wait_done(settings, worker, name, table, ends, args)
+    return f"{rows:,} rows in the table, group at {committed:,} of {sum(ends.values()):,} offsets"
+
+
+def _log_since(path: Path, mark: int) -> str:
+    with path.open("rb") as log:
+        log.seek(mark)
+        return log.read().decode(errors="replace")
 
 
 def table_rows(settings: Settings, table: str) -> int:
@@ -352,11 +392,15 @@ def compare(found: collections.Counter[str | None], history: History) -> dict[st
         "rows": sum(found.values()),
         "committed records (truth)": len(committed),
         "event ids (truth)": len(committed_ids),
-        "rows beyond one per event id": sum(found.values()) - len(found),
+        "rows without an event id (tombstones)": found[None],
+        "rows beyond one per event id": sum(n - 1 for i, n in found.items() if i is not None),
         "rows of aborted transactions": sum(found[i] for i in aborted_ids),
-        "bad records present": sum(found[i] for i in history.bad_ids),
+        "bad JSON records present (of 2/3 of the bad ones)": sum(found[i] for i in history.bad_ids),
         "committed event ids missing": len(committed_ids - set(found)),
-        "tombstones (truth, value null)": sum(r.value is None for r in truth.committed()),
+        "records of aborted transactions (truth)": sum(
+            r.value is not None for r in truth.aborted()
+        ),
+        "tombstones (truth, committed)": sum(r.value is None for r in truth.committed()),
     }
 
 
@@ -408,10 +452,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--hours", type=int, default=3)
     parser.add_argument("--partitions", type=int, default=3)
-    parser.add_argument("--events-per-hour", type=int, default=4000)
+    parser.add_argument("--events-per-hour", type=int, default=6000)
     parser.add_argument("--transaction-records", type=int, default=50)
     parser.add_argument("--seed", type=int, default=49)
     parser.add_argument("--commit-interval-ms", type=int, default=2000)
+    parser.add_argument(
+        "--kill-commit-interval-ms",
+        type=int,
+        default=500,
+        help="(c)'s commit interval: short, so the kill lands between two table commits",
+    )
+    parser.add_argument(
+        "--read-committed",
+        action="store_true",
+        help="give the sink's consumer isolation.level=read_committed (its default, Kafka "
+        "Connect's, is read_uncommitted: aborted records are written)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per sink run")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -451,22 +507,29 @@ def measure(
     from backfill_assets.stack import catalog
 
     catalog.load(settings.catalog).create_namespace_if_not_exists(namespace)
-    create_topics(settings, ["control-sink-b", "control-sink-c", DLQ_TOPIC])
+    create_topics(settings, ["control-sink-b", "control-sink-c", "control-sink-d", DLQ_TOPIC])
     with sink_worker(settings) as worker:
         print(f"(b) Iceberg sink, load {loadavg()}", flush=True)
         sink_s = run_sink(settings, worker, "sink-b", f"{namespace}.orders_b", args, history.ends)
         dlq = dlq_records(settings)
         worker.delete_connector("sink-b")
-        print(f"(c) Iceberg sink, worker killed, load {loadavg()}", flush=True)
-        run_killed(settings, worker, "sink-c", f"{namespace}.orders_c", args, history.ends)
+        kills = {}
+        for run, at in (("c", "reading"), ("d", "first-commit")):
+            print(f"({run}) Iceberg sink, worker killed at {at}, load {loadavg()}", flush=True)
+            where = run_killed(
+                settings, worker, f"sink-{run}", f"{namespace}.orders_{run}", args, history.ends, at
+            )
+            print(f"  killed with {where}", flush=True)
+            kills[f"sink ({run}) killed at {at}"] = f"{namespace}.orders_{run}"
     found = {
         "raw asset": event_ids(settings, raw_table),
         "sink (b)": event_ids(settings, f"{namespace}.orders_b"),
-        "sink (c) killed": event_ids(settings, f"{namespace}.orders_c"),
+        **{label: event_ids(settings, table) for label, table in kills.items()},
     }
     figures = {name: compare(ids, history) for name, ids in found.items()}
     figures["sink (b)"]["dead-letter records"] = dlq
-    figures["sink (c) killed"].update(kill_effect(found["sink (b)"], found["sink (c) killed"]))
+    for label in kills:
+        figures[label].update(kill_effect(found["sink (b)"], found[label]))
     return figures, {"raw": raw_s, "sink": sink_s}
 
 
