@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -474,7 +475,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per sink run")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    setup(args)
+    home = setup(args)
     from backfill_assets.stack import catalog
     from backfill_assets.stack.broker import LocalBroker
     from backfill_assets.stack.settings import Settings
@@ -491,6 +492,7 @@ def main() -> None:
         figures, seconds = measure(settings, args, history)
     finally:
         broker.stop()
+        shutil.rmtree(home, ignore_errors=True)
     show(figures)
     raw_s, sink_s = seconds["raw"], seconds["sink"]
     print(
