@@ -62,6 +62,12 @@ def test_unknown_set_lists_the_known_ones() -> None:
         jars.pom_path("flink")
 
 
+def test_bench_sets_are_known_but_not_resolved_by_default() -> None:
+    """A benchmark's set has a pom and resolves on demand; `jars resolve` leaves it out."""
+    assert jars.pom_path("iceberg-sink").is_file()
+    assert not set(jars.BENCH_JAR_SETS) & set(jars.JAR_SETS)
+
+
 def test_udf_jar_is_built_once_and_named_by_its_sources(
     stack_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
