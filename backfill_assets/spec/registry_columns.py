@@ -1,4 +1,4 @@
-"""A registry topic's columns derived from its subject's latest schema (issue 28).
+"""A registry topic's columns derived from its subject's latest schema.
 
 A topic whose ``format`` is ``avro``, ``json_schema`` or ``protobuf`` may leave ``columns`` out
 of topics.yaml: :func:`backfill_assets.spec.loader.load_specs` then asks the schema registry for

@@ -1,4 +1,4 @@
-"""The local CDC source (issue 48): a Postgres with logical decoding, a Kafka Connect worker
+"""The local CDC source: a Postgres with logical decoding, a Kafka Connect worker
 against the project's broker, and Debezium's Postgres connector registered over Connect's REST
 API.
 

@@ -257,7 +257,7 @@ class Settings:
     # ``in_process``, one process and one Spark session per run; ``multiprocess``, Dagster's
     # default, a process and a Spark session per step.
     run_executor: RunExecutor = "in_process"
-    # Spark Connect (issue 27): the ``sc://host:port`` endpoint runs use as thin clients
+    # Spark Connect: the ``sc://host:port`` endpoint runs use as thin clients
     # (BACKFILL_SPARK_CONNECT; None: classic in-process Spark), and the port of the local server
     # ``stack up`` starts (BACKFILL_SPARK_CONNECT_PORT).
     spark_connect: str | None = None
@@ -267,7 +267,7 @@ class Settings:
     # None: no token).
     spark_connect_bind: str = "127.0.0.1"
     spark_connect_token: str | None = None
-    # Schema registry (issue 28): a Confluent-API registry's URL (BACKFILL_SCHEMA_REGISTRY_URL;
+    # Schema registry: a Confluent-API registry's URL (BACKFILL_SCHEMA_REGISTRY_URL;
     # None: the local one ``stack up`` starts on 127.0.0.1:BACKFILL_SCHEMA_REGISTRY_PORT).
     schema_registry_url_setting: str | None = None
     schema_registry_port: int = 18081
@@ -276,7 +276,7 @@ class Settings:
     schema_registry_basic_auth: str | None = field(default=None, repr=False)
     schema_registry_token: str | None = field(default=None, repr=False)
     schema_registry_logical_cluster: str = ""
-    # The CDC source (issue 48; stack/cdc.py), local only: the Postgres with logical decoding
+    # The CDC source (stack/cdc.py), local only: the Postgres with logical decoding
     # (BACKFILL_CDC_POSTGRES_PORT) and the Kafka Connect worker running Debezium's connector
     # (REST API on BACKFILL_KAFKA_CONNECT_PORT, heap BACKFILL_KAFKA_CONNECT_HEAP), both on
     # 127.0.0.1, their state under <home>/postgres and <home>/kafka-connect.
@@ -538,7 +538,7 @@ def listing(environ: Mapping[str, str] | None = None) -> list[Setting]:
     ]
 
 
-# --- Schema registry (issue 28) -----------------------------------------------------------
+# --- Schema registry -----------------------------------------------------------
 # Where Apicurio Registry (the local registry) serves the Confluent Schema Registry API.
 CCOMPAT_PATH = "/apis/ccompat/v7"
 
@@ -586,7 +586,7 @@ def _schema_registry_auth(env: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
-# --- Spark Connect (issue 27) -------------------------------------------------------------
+# --- Spark Connect -------------------------------------------------------------
 def _spark_connect(env: Mapping[str, str]) -> str | None:
     """``BACKFILL_SPARK_CONNECT``: ``sc://host:port`` (optionally ``/;token=...`` and other
     parameters); unset or empty means classic in-process Spark."""

@@ -251,7 +251,7 @@ def _warn_fixed_settings(session: SparkSession, conf: Mapping[str, str]) -> None
         )
 
 
-# --- Spark Connect (issue 27) ---------------------------------------------------------------
+# --- Spark Connect ---------------------------------------------------------------
 # Static SQL settings belong to the server (its properties file, or the remote endpoint's own
 # configuration); a client may only change the per-session ones.
 _SERVER_SQL = ("spark.sql.extensions", "spark.sql.catalog.", "spark.sql.warehouse.dir")

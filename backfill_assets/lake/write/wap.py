@@ -98,7 +98,7 @@ def publish(
     try:
         # The table argument names its catalog: Iceberg resolves a bare 'namespace.table' by
         # first trying the namespace as a catalog, which logs CATALOG_NOT_FOUND with a Java
-        # stack trace on every publish (issue 14).
+        # stack trace on every publish.
         ref_sql(
             spark,
             branch.table,
