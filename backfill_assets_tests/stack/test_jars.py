@@ -21,6 +21,7 @@ def test_second_resolution_does_nothing(stack_settings: Settings) -> None:
         "spark-formats": False,
         "kafka-connect": False,
         "kafka-connect-avro": False,
+        "iceberg-rest": False,
     }
     names = {p.name for p in jars.jars(stack_settings, "kafka-broker")}
     assert any(n.startswith("kafka_2.13-4.") for n in names)
