@@ -27,7 +27,9 @@ from backfill_assets.stack.postgres import PgServer
 from backfill_assets.stack.settings import Settings
 from backfill_assets_tests.support.services import free_port
 
-SOURCES = Path(__file__).parent / "java"
+# The clock's own source only: the folder also holds other test servers' sources, compiled
+# against other classpaths (iceberg_rest.py).
+CLOCK_SOURCE = Path(__file__).parent / "java" / "backfill_assets_tests" / "TestClock.java"
 CLOCK_CLASS = "backfill_assets_tests.TestClock"
 
 
@@ -46,7 +48,7 @@ def clock_jar(settings: Settings, target: Path) -> Path:
         classes = Path(tmp)
         subprocess.run(
             [javac, "--release", "17", "-nowarn", "-cp", classpath, "-d", str(classes),
-             *map(str, SOURCES.rglob("*.java"))],
+             str(CLOCK_SOURCE)],
             check=True, capture_output=True, text=True,
         )  # fmt: skip
         with zipfile.ZipFile(target, "w") as jar:
