@@ -316,8 +316,10 @@ def test_a_wrong_reader_default_in_spark_fails_decoded_content_and_main_is_uncha
     table = f"lake.{stack_settings.catalog.namespace}.{spec.raw_table}"
     real_resolve = avro.resolve
 
-    def wrong_default(spec: TopicSpec, url: str, ids: Any) -> dict[int, avro.Writer]:
-        writers = real_resolve(spec, url, ids)
+    def wrong_default(
+        spec: TopicSpec, url: str, ids: Any, auth: Any = None
+    ) -> dict[int, avro.Writer]:
+        writers = real_resolve(spec, url, ids, auth)
         for sid, w in writers.items():
             if w.reader is not None:
                 reader = json.loads(w.reader)

@@ -377,8 +377,8 @@ def test_a_stale_writer_schema_in_spark_fails_decoded_content_and_main_is_unchan
     table = f"lake.{stack_settings.catalog.namespace}.{spec.raw_table}"
     real_resolve = protobuf.resolve
 
-    def stale(spec: TopicSpec, url: str, ids: Any) -> dict[int, protobuf.Writer]:
-        writers = real_resolve(spec, url, ids)
+    def stale(spec: TopicSpec, url: str, ids: Any, auth: Any = None) -> dict[int, protobuf.Writer]:
+        writers = real_resolve(spec, url, ids, auth)
         first = writers[min(writers)]
         return {
             sid: dataclasses.replace(w, descriptor=first.descriptor) for sid, w in writers.items()
