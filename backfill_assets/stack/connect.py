@@ -178,9 +178,7 @@ class LocalConnectServer(process.Server[ConnectStatus]):
     def _write_properties(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        text = "".join(
-            f"{k}={process.properties_escape(v)}\n" for k, v in sorted(self.properties().items())
-        )
+        text = process.properties_text(self.properties())
         # Holds the catalog's secrets: created 0600, never readable by others in between.
         self.conf_path.unlink(missing_ok=True)
         fd = os.open(self.conf_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

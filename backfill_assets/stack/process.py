@@ -132,6 +132,17 @@ def properties_escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n")
 
 
+def properties_text(conf: Mapping[str, str]) -> str:
+    """``conf`` as a Java properties file (keys escaped where Properties.load would split)."""
+    lines = []
+    for key, value in sorted(conf.items()):
+        name = properties_escape(key)
+        for char in " =:#!":
+            name = name.replace(char, "\\" + char)
+        lines.append(f"{name}={properties_escape(value)}\n")
+    return "".join(lines)
+
+
 def log_tail(path: Path, lines: int = 15) -> str:
     """The last ``lines`` lines of a server's log, or a note that it wrote none."""
     try:

@@ -6,14 +6,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import socket
 import sys
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from backfill_assets.errors import SparkConnectError
-from backfill_assets.stack import catalog, cds, jars
+from backfill_assets.errors import SettingsError, SparkConnectError
+from backfill_assets.stack import catalog, cds, jars, process
 from backfill_assets.stack.settings import Settings, is_secret_name
 
 if TYPE_CHECKING:
@@ -188,33 +190,57 @@ def get_session(settings: Settings, extra: Mapping[str, object] | None = None) -
         # host name resolves to a loopback address and picks another interface.
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     conf = spark_config(settings, extra)
-    later = catalog_secrets(conf)
     existing = _running_session()
     if existing is not None:
         _warn_fixed_settings(existing, conf)
+    # A new driver JVM gets its secrets from a properties file, not its command line.
+    hidden = secret_settings(conf) if existing is None else {}
     builder = SparkSession.builder
     for key, value in conf.items():
-        if key not in later:
+        if key not in hidden:
             builder = builder.config(key, value)
-    session = builder.getOrCreate()
-    # pyspark hands every builder setting to spark-submit as --conf KEY=VALUE, so it would show
-    # in the driver JVM's command line (ps). The catalog's secrets are session settings, read
-    # when the catalog is first used: they are set here instead, before any query.
-    for key, value in later.items():
-        session.conf.set(key, value)
+    with submit_properties(hidden):
+        session = builder.getOrCreate()
     session.sparkContext.setLogLevel("WARN")
     return session
 
 
-def catalog_secrets(conf: Mapping[str, str]) -> dict[str, str]:
-    """The ``spark.sql.catalog.*`` settings of ``conf`` that hold secrets (passwords, keys,
-    tokens, credentials): never given on a command line."""
-    found = {}
-    for key, value in conf.items():
-        parts = key.split(".", 4)  # spark, sql, catalog, <name>, <property>
-        if key.startswith("spark.sql.catalog.") and len(parts) == 5 and is_secret_name(parts[4]):
-            found[key] = value
-    return found
+def secret_settings(conf: Mapping[str, str]) -> dict[str, str]:
+    """The settings of ``conf`` whose name says they hold a secret (password, key, token,
+    credential: the catalog's, Hadoop's ``fs.s3a.*.key``, any of ``BACKFILL_SPARK_CONF``)."""
+    return {key: value for key, value in conf.items() if is_secret_name(key)}
+
+
+SUBMIT_ARGS = "PYSPARK_SUBMIT_ARGS"
+
+
+@contextlib.contextmanager
+def submit_properties(conf: Mapping[str, str]) -> Iterator[None]:
+    """While pyspark starts a driver JVM: ``conf`` in a properties file (mode 0600) that
+    spark-submit reads, named in ``PYSPARK_SUBMIT_ARGS``. pyspark hands every builder setting to
+    spark-submit as ``--conf KEY=VALUE``, which any user on the machine can read in ``ps``;
+    the file is removed as soon as the JVM has started (it reads the file before it serves)."""
+    if not conf:
+        yield
+        return
+    before = os.environ.get(SUBMIT_ARGS)
+    if before and "--properties-file" in before:
+        raise SettingsError(
+            f"{SUBMIT_ARGS} names a --properties-file, but the Spark settings that hold secrets "
+            f"({', '.join(sorted(conf))}) need their own; give yours in BACKFILL_SPARK_CONF"
+        )
+    fd, path = tempfile.mkstemp(prefix="backfill-spark-", suffix=".conf")  # mode 0600
+    with os.fdopen(fd, "w") as out:
+        out.write(process.properties_text(conf))
+    os.environ[SUBMIT_ARGS] = f"--properties-file {shlex.quote(path)} {before or 'pyspark-shell'}"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SUBMIT_ARGS, None)
+        else:
+            os.environ[SUBMIT_ARGS] = before
+        os.unlink(path)
 
 
 def _running_session() -> SparkSession | None:

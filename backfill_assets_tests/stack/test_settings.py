@@ -139,8 +139,8 @@ def test_production_catalogs_translate_for_both_engines() -> None:
 def test_catalog_properties_reach_both_engines_and_secrets_stay_off_the_command_line() -> None:
     """BACKFILL_CATALOG_PROPERTIES reaches pyiceberg's properties and Spark's catalog settings
     (the classic builder and the Spark Connect server's properties file both take
-    spark_config); the secret ones are set on the session after start, not given to
-    spark-submit; the listing masks them."""
+    spark_config); the secret ones go to a new driver JVM in a properties file, not
+    on spark-submit's command line; the listing masks them."""
     props = {
         "credential": "client:cl13nt-s3cret",
         "scope": "catalog",
@@ -159,7 +159,7 @@ def test_catalog_properties_reach_both_engines_and_secrets_stay_off_the_command_
     conf = spark.spark_config(s)
     assert conf["spark.sql.catalog.lake.credential"] == "client:cl13nt-s3cret"
     assert conf["spark.sql.catalog.lake.scope"] == "catalog"
-    assert spark.catalog_secrets(conf) == {
+    assert spark.secret_settings(conf) == {
         "spark.sql.catalog.lake.credential": "client:cl13nt-s3cret"
     }
     # Spark's UI and event log redact it (its default regex would not).
