@@ -702,10 +702,11 @@ def test_recreated_topic_is_refused(lab: Lab) -> None:
     # The daemon evaluates its sensors one after another: on busy cores a sensor ticks far
     # less often than every TICK_S (the first run of this tier saw gaps of minutes).
     deadline = time.monotonic() + 60 * TICK_S
-    while len(sensor_ticks(lab, gap, since)) < 3 and time.monotonic() < deadline:
+    # Two refusing ticks show it is said on every tick, not once (a third proves no more).
+    while len(sensor_ticks(lab, gap, since)) < 2 and time.monotonic() < deadline:
         time.sleep(2)
     ticks = sensor_ticks(lab, gap, since)
-    assert len(ticks) >= 3, _tick_summary(lab, since)
+    assert len(ticks) >= 2, _tick_summary(lab, since)
     keys = {raw_asset_key(lab.recreated), current_asset_key(lab.recreated)}
     launched = [
         r
