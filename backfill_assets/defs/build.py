@@ -5,48 +5,43 @@ resources and the run executor. No module-level state: the project's code locati
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import dagster as dg
 
 from backfill_assets.defs.archiver import build_archive_asset, build_archive_schedule
 from backfill_assets.defs.assets import build_topic_assets, quarantine_asset
 from backfill_assets.defs.maintenance import build_maintenance_defs
-from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
+from backfill_assets.defs.resources import (
+    CATALOG_SECRETS,
+    KAFKA_SECRETS,
+    SPARK_SECRETS,
+    IcebergResource,
+    KafkaResource,
+    SparkResource,
+)
 from backfill_assets.defs.sensors import build_gap_sensor, build_late_data_sensor
 from backfill_assets.defs.topics import build_topic_observer, topic_asset
 from backfill_assets.spec.model import TopicSpec
-from backfill_assets.stack.settings import Settings, secrets_set
+from backfill_assets.stack.settings import Settings
 
 
 def build_resources(environ: Mapping[str, str] | None = None) -> dict[str, object]:
     """The resources, each secret a ``dg.EnvVar`` when its variable is set in ``environ``
     (default: the process environment): the Dagster UI shows the variable's name, never its
     value, and the run resolves it. An unset variable stays None, so nothing requires it."""
-    present = secrets_set(environ)
+    env = os.environ if environ is None else environ
 
-    def secret(name: str) -> str | None:
-        return dg.EnvVar(name) if name in present else None
+    def secrets(fields: Mapping[str, str]) -> dict[str, Any]:
+        return {field: dg.EnvVar(var) if var in env else None for field, var in fields.items()}
 
-    jdbc_password = secret("BACKFILL_CATALOG_JDBC_PASSWORD")
-    s3_key_id, s3_secret = secret("AWS_ACCESS_KEY_ID"), secret("AWS_SECRET_ACCESS_KEY")
     return {
-        "kafka": KafkaResource(
-            sasl_password=secret("BACKFILL_KAFKA_SASL_PASSWORD"),
-            s3_access_key_id=s3_key_id,
-            s3_secret_access_key=s3_secret,
-        ),
-        "spark": SparkResource(
-            catalog_jdbc_password=jdbc_password,
-            s3_access_key_id=s3_key_id,
-            s3_secret_access_key=s3_secret,
-        ),
-        "iceberg": IcebergResource(
-            catalog_jdbc_password=jdbc_password,
-            s3_access_key_id=s3_key_id,
-            s3_secret_access_key=s3_secret,
-        ),
+        "kafka": KafkaResource(**secrets(KAFKA_SECRETS)),
+        "spark": SparkResource(**secrets(SPARK_SECRETS)),
+        "iceberg": IcebergResource(**secrets(CATALOG_SECRETS)),
     }
 
 

@@ -5,12 +5,14 @@ All three read :class:`~backfill_assets.stack.settings.Settings` from the enviro
 starts. Secrets are also resource config: optional fields that
 :func:`backfill_assets.defs.build.build_resources` sets to a ``dg.EnvVar`` when the
 variable is set, so the Dagster UI shows the variable's name, never its value; the value goes
-into the settings the clients use (:meth:`Settings.with_secrets`). Unset, the settings read
+into the settings the clients use (in place of the variable's). Unset, the settings read
 the environment as before.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -35,12 +37,41 @@ def _secret(variable: str) -> Any:
     )
 
 
-def _settings(**secrets: str | None) -> Settings | None:
-    """The environment's settings with the secrets configured on a resource, or None (the
-    client then reads the environment at each call, as before) when none is."""
-    if all(value is None for value in secrets.values()):
+# Each resource's secret fields and the variable each one holds. The property maps and Spark's
+# extra settings are secrets as a whole: they may carry passwords, keys and tokens.
+CATALOG_SECRETS = {
+    "catalog_jdbc_password": "BACKFILL_CATALOG_JDBC_PASSWORD",
+    "catalog_properties": "BACKFILL_CATALOG_PROPERTIES",
+    "s3_access_key_id": "AWS_ACCESS_KEY_ID",
+    "s3_secret_access_key": "AWS_SECRET_ACCESS_KEY",
+}
+SPARK_SECRETS = {
+    **CATALOG_SECRETS,
+    "spark_connect_token": "BACKFILL_SPARK_CONNECT_TOKEN",
+    "spark_conf": "BACKFILL_SPARK_CONF",
+}
+KAFKA_SECRETS = {
+    "sasl_password": "BACKFILL_KAFKA_SASL_PASSWORD",
+    "kafka_properties": "BACKFILL_KAFKA_PROPERTIES",
+    "schema_registry_basic_auth": "BACKFILL_SCHEMA_REGISTRY_BASIC_AUTH",
+    "schema_registry_token": "BACKFILL_SCHEMA_REGISTRY_TOKEN",
+    # The archive's object storage (BACKFILL_ARCHIVE_URI=s3://...), reached with the client's
+    # settings by the archiver and the replay.
+    "s3_access_key_id": "AWS_ACCESS_KEY_ID",
+    "s3_secret_access_key": "AWS_SECRET_ACCESS_KEY",
+}
+SECRET_VARIABLES = frozenset({*SPARK_SECRETS.values(), *KAFKA_SECRETS.values()})
+
+
+def _settings(resource: object, fields: Mapping[str, str]) -> Settings | None:
+    """The environment's settings with the secrets configured on ``resource`` (its ``fields``,
+    each named for the variable it holds) in place of the variables', or None (the client then
+    reads the environment at each call, as before) when none is configured."""
+    given = {var: getattr(resource, field) for field, var in fields.items()}
+    given = {var: value for var, value in given.items() if value is not None}
+    if not given:
         return None
-    return Settings.from_env().with_secrets(**secrets)
+    return Settings.from_env({**os.environ, **given})
 
 
 class SparkResource(PySparkResource):
@@ -53,10 +84,14 @@ class SparkResource(PySparkResource):
     """
 
     spark_config: dict[str, Any] = Field(default_factory=dict)
-    # The catalog's secrets, for Spark's Iceberg catalog (see IcebergResource).
+    # SPARK_SECRETS: the catalog's, for Spark's Iceberg catalog (see IcebergResource), the
+    # Connect server's token and BACKFILL_SPARK_CONF.
     catalog_jdbc_password: str | None = _secret("BACKFILL_CATALOG_JDBC_PASSWORD")
+    catalog_properties: str | None = _secret("BACKFILL_CATALOG_PROPERTIES")
     s3_access_key_id: str | None = _secret("AWS_ACCESS_KEY_ID")
     s3_secret_access_key: str | None = _secret("AWS_SECRET_ACCESS_KEY")
+    spark_connect_token: str | None = _secret("BACKFILL_SPARK_CONNECT_TOKEN")
+    spark_conf: str | None = _secret("BACKFILL_SPARK_CONF")
     _starting: Future[Any] | None = PrivateAttr(default=None)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
@@ -65,11 +100,7 @@ class SparkResource(PySparkResource):
         fresh run process. The first use of :attr:`spark_session` waits for it and raises
         its error, if any."""
         pool = ThreadPoolExecutor(1, thread_name_prefix="spark-session")
-        settings = Settings.from_env().with_secrets(
-            catalog_jdbc_password=self.catalog_jdbc_password,
-            s3_access_key_id=self.s3_access_key_id,
-            s3_secret_access_key=self.s3_secret_access_key,
-        )
+        settings = _settings(self, SPARK_SECRETS) or Settings.from_env()
         self._starting = pool.submit(spark.get_session, settings, self.spark_config)
         pool.shutdown(wait=False)
 
@@ -84,19 +115,18 @@ class KafkaResource(dg.ConfigurableResource):  # type: ignore[type-arg]
     """Kafka metadata and offset look-ups (:class:`~backfill_assets.stack.kafka.KafkaClient`)."""
 
     request_timeout_s: float = 30.0
+    # KAFKA_SECRETS: the brokers' and the schema registry's credentials, and the archive's.
     sasl_password: str | None = _secret("BACKFILL_KAFKA_SASL_PASSWORD")
-    # The archive's object storage (BACKFILL_ARCHIVE_URI=s3://...), reached with the client's
-    # settings by the archiver and the replay.
+    kafka_properties: str | None = _secret("BACKFILL_KAFKA_PROPERTIES")
+    schema_registry_basic_auth: str | None = _secret("BACKFILL_SCHEMA_REGISTRY_BASIC_AUTH")
+    schema_registry_token: str | None = _secret("BACKFILL_SCHEMA_REGISTRY_TOKEN")
     s3_access_key_id: str | None = _secret("AWS_ACCESS_KEY_ID")
     s3_secret_access_key: str | None = _secret("AWS_SECRET_ACCESS_KEY")
 
     def client(self) -> KafkaClient:
-        secrets = {
-            "kafka_sasl_password": self.sasl_password,
-            "s3_access_key_id": self.s3_access_key_id,
-            "s3_secret_access_key": self.s3_secret_access_key,
-        }
-        return KafkaClient(settings=_settings(**secrets), request_timeout_s=self.request_timeout_s)
+        return KafkaClient(
+            settings=_settings(self, KAFKA_SECRETS), request_timeout_s=self.request_timeout_s
+        )
 
 
 class IcebergResource(dg.ConfigurableResource):  # type: ignore[type-arg]
@@ -104,15 +134,12 @@ class IcebergResource(dg.ConfigurableResource):  # type: ignore[type-arg]
     the same catalog Spark writes through."""
 
     catalog_jdbc_password: str | None = _secret("BACKFILL_CATALOG_JDBC_PASSWORD")
+    catalog_properties: str | None = _secret("BACKFILL_CATALOG_PROPERTIES")
     s3_access_key_id: str | None = _secret("AWS_ACCESS_KEY_ID")
     s3_secret_access_key: str | None = _secret("AWS_SECRET_ACCESS_KEY")
 
     def _secrets(self) -> Settings | None:
-        return _settings(
-            catalog_jdbc_password=self.catalog_jdbc_password,
-            s3_access_key_id=self.s3_access_key_id,
-            s3_secret_access_key=self.s3_secret_access_key,
-        )
+        return _settings(self, CATALOG_SECRETS)
 
     @property
     def settings(self) -> Settings:

@@ -164,7 +164,7 @@ class CatalogSettings:
     jdbc_user: str | None = None
     jdbc_password: str | None = field(default=None, repr=False)
     s3_endpoint: str | None = None
-    s3_access_key_id: str | None = None
+    s3_access_key_id: str | None = field(default=None, repr=False)
     s3_secret_access_key: str | None = field(default=None, repr=False)
     s3_region: str | None = None
     # BACKFILL_CATALOG_PROPERTIES: Iceberg catalog properties passed through as they are to
@@ -248,7 +248,7 @@ class Settings:
     spark_executor_memory: str | None = None
     spark_executor_cores: int | None = None
     # Any other spark.* settings (BACKFILL_SPARK_CONF, a JSON object), applied last.
-    spark_extra_conf: Mapping[str, str] = field(default_factory=dict)
+    spark_extra_conf: Mapping[str, str] = field(default_factory=dict, repr=False)  # may hold keys
     # Start the local Spark driver JVM from the class-data-sharing archive of
     # backfill_assets/stack/cds.py when one was built (BACKFILL_SPARK_CDS, on by default).
     spark_cds: bool = True
@@ -266,7 +266,7 @@ class Settings:
     # it requires and clients send as a bearer header (BACKFILL_SPARK_CONNECT_TOKEN, a secret;
     # None: no token).
     spark_connect_bind: str = "127.0.0.1"
-    spark_connect_token: str | None = None
+    spark_connect_token: str | None = field(default=None, repr=False)
     # Schema registry: a Confluent-API registry's URL (BACKFILL_SCHEMA_REGISTRY_URL;
     # None: the local one ``stack up`` starts on 127.0.0.1:BACKFILL_SCHEMA_REGISTRY_PORT).
     schema_registry_url_setting: str | None = None

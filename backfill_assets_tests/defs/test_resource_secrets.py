@@ -13,7 +13,7 @@ from dagster._core.remote_representation.external_data import (
 from dagster._serdes import serialize_value
 
 from backfill_assets.defs.definitions import build_defs, build_resources
-from backfill_assets.defs.resources import IcebergResource, KafkaResource
+from backfill_assets.defs.resources import IcebergResource, KafkaResource, SparkResource
 from backfill_assets.spec.loader import load_specs
 
 # Dagster's own snapshot code reads a deprecated schedule property.
@@ -25,14 +25,45 @@ SECRETS = {
     "BACKFILL_CATALOG_JDBC_PASSWORD": "jdbc-pw-2c8e44",
     "AWS_ACCESS_KEY_ID": "AKIA-key-id-5d1b07",
     "AWS_SECRET_ACCESS_KEY": "aws-secret-9e6c12",
+    "BACKFILL_SCHEMA_REGISTRY_TOKEN": "reg-token-4a0d63",
+    "BACKFILL_SPARK_CONNECT_TOKEN": "connect-token-8b2f19",
+}
+# Settings that carry secrets inside a JSON value: the whole variable is an EnvVar.
+INSIDE = {
+    "BACKFILL_KAFKA_PROPERTIES": ("kafka-props-secret-31c7", '{"ssl.key.password": "%s"}'),
+    "BACKFILL_CATALOG_PROPERTIES": ("catalog-props-secret-6e90", '{"header.X-Key": "%s"}'),
+    "BACKFILL_SPARK_CONF": ("spark-conf-secret-0d44", '{"spark.hadoop.fs.s3a.secret.key": "%s"}'),
+}
+# Which resource holds each variable, under which field.
+FIELDS = {
+    "kafka": {
+        "sasl_password": "BACKFILL_KAFKA_SASL_PASSWORD",
+        "kafka_properties": "BACKFILL_KAFKA_PROPERTIES",
+        "schema_registry_token": "BACKFILL_SCHEMA_REGISTRY_TOKEN",
+        "s3_secret_access_key": "AWS_SECRET_ACCESS_KEY",
+    },
+    "iceberg": {
+        "catalog_jdbc_password": "BACKFILL_CATALOG_JDBC_PASSWORD",
+        "catalog_properties": "BACKFILL_CATALOG_PROPERTIES",
+        "s3_access_key_id": "AWS_ACCESS_KEY_ID",
+    },
+    "spark": {
+        "catalog_properties": "BACKFILL_CATALOG_PROPERTIES",
+        "spark_connect_token": "BACKFILL_SPARK_CONNECT_TOKEN",
+        "spark_conf": "BACKFILL_SPARK_CONF",
+        "s3_secret_access_key": "AWS_SECRET_ACCESS_KEY",
+    },
 }
 
 
 @pytest.fixture
 def secrets(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Every secret variable set; the values to look for (the JSON ones: the secret inside)."""
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)
-    return SECRETS
+    for name, (secret, template) in INSIDE.items():
+        monkeypatch.setenv(name, template % secret)
+    return {**SECRETS, **{name: secret for name, (secret, _) in INSIDE.items()}}
 
 
 @SNAPSHOT_WARNING
@@ -41,16 +72,10 @@ def test_the_ui_shows_env_vars_never_values(secrets: dict[str, str]) -> None:
     snap = RepositorySnap.from_def(defs.get_repository_def(), defer_snapshots=True)
     resources = {r.name: r for r in snap.resources or []}
     env = ResourceConfigEnvVarSnap
-    assert resources["kafka"].configured_values["sasl_password"] == env(
-        name="BACKFILL_KAFKA_SASL_PASSWORD"
-    )
-    for name in ("kafka", "iceberg", "spark"):
-        values = resources[name].configured_values
-        assert values["s3_access_key_id"] == env(name="AWS_ACCESS_KEY_ID")
-        assert values["s3_secret_access_key"] == env(name="AWS_SECRET_ACCESS_KEY")
-    assert resources["iceberg"].configured_values["catalog_jdbc_password"] == env(
-        name="BACKFILL_CATALOG_JDBC_PASSWORD"
-    )
+    for resource, fields in FIELDS.items():
+        values = resources[resource].configured_values
+        for field, variable in fields.items():
+            assert values[field] == env(name=variable), (resource, field)
     assert set(snap.utilized_env_vars or {}) >= set(secrets)
     shown = serialize_value(snap)
     leaked = [value for value in secrets.values() if value in shown]
@@ -71,9 +96,26 @@ def test_the_values_reach_the_clients_and_stay_out_of_reprs(secrets: dict[str, s
     assert catalog.jdbc_password == secrets["BACKFILL_CATALOG_JDBC_PASSWORD"]
     assert catalog.s3_access_key_id == secrets["AWS_ACCESS_KEY_ID"]
     assert live_iceberg.settings.catalog.s3_secret_access_key == secrets["AWS_SECRET_ACCESS_KEY"]
+    assert settings.schema_registry_token == secrets["BACKFILL_SCHEMA_REGISTRY_TOKEN"]
+    kafka_props = settings.kafka.java_properties()
+    assert kafka_props["ssl.key.password"] == secrets["BACKFILL_KAFKA_PROPERTIES"]
     for shown in (repr(live_kafka), repr(live_iceberg), repr(settings)):
-        assert secrets["BACKFILL_KAFKA_SASL_PASSWORD"] not in shown
-        assert secrets["AWS_SECRET_ACCESS_KEY"] not in shown
+        leaked = [name for name, value in secrets.items() if value in shown]
+        assert leaked == [], shown
+
+
+def test_configured_secrets_reach_spark_and_the_catalog(secrets: dict[str, str]) -> None:
+    """A value configured on a resource (not the variable's) is what its clients get, for the
+    secrets inside JSON settings too."""
+    props = '{"header.X-Key": "from-config"}'
+    live = IcebergResource(catalog_properties=props).process_config_and_initialize()
+    assert live.settings.catalog.properties["header.X-Key"] == "from-config"
+    conf = '{"spark.hadoop.fs.s3a.secret.key": "conf-from-config"}'
+    kafka = KafkaResource(schema_registry_token="tok-from-config", kafka_properties=None)
+    assert kafka.process_config_and_initialize().client().settings.schema_registry_token == (
+        "tok-from-config"
+    )
+    assert SparkResource(spark_conf=conf).spark_conf == conf
 
 
 def test_a_configured_value_wins_over_the_environment(secrets: dict[str, str]) -> None:
