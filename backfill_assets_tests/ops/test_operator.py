@@ -253,17 +253,9 @@ def test_backfill_audit_and_rollback(
     assert obs[0].asset_observation is not None
     assert obs[0].asset_observation.metadata["undone_backfill"].value == ids[0]
     assert "Dagster (" in done.stdout
-    events = [
-        r["event"]
-        for r in json.loads(_cli(cli_env, "audit", "--backfill", ids[0], "--json").stdout)
-    ]
-    rolled = [
-        r["table_name"]
-        for r in json.loads(_cli(cli_env, "audit", "--backfill", ids[0], "--json").stdout)
-        if r["event"] == "rollback"
-    ]
-    assert sorted(rolled) == sorted(published)
-    assert events.count("rollback") == 4
+    audit = json.loads(_cli(cli_env, "audit", "--backfill", ids[0], "--json").stdout)
+    rolled = [r["table_name"] for r in audit if r["event"] == "rollback"]
+    assert sorted(rolled) == sorted(published)  # one rollback row per published table
 
 
 # Long (2-4 min): in the slow tier, which CI runs, to keep the default tier near 20 min.
