@@ -718,23 +718,32 @@ class _Clock:
 def _ensure_current_table(spark: SparkSession, spec: TopicSpec, table: str) -> None:
     """Create the current-state table if it does not exist (the key as its column's type, a
     string before the key took it); refuse one with the old layout; add the columns the spec
-    gained since."""
+    gained since. An existing table costs one schema question."""
+    from pyspark.errors import AnalysisException
+
     key = spec.current_rule.key
-    cols = ", ".join(f"{c.name} {SPARK_TYPES[c.type]}" for c in spec.columns if c.name != key)
-    key_type = next(SPARK_TYPES[c.type] for c in spec.columns if c.name == key)
-    spark.sql(
-        f"CREATE TABLE IF NOT EXISTS {table} ({key} {key_type}, {cols}, "
-        "deleted boolean, order_ts timestamp, kafka_timestamp timestamp, kafka_hour timestamp, "
-        "kafka_partition int, kafka_offset bigint) "
-        "USING iceberg TBLPROPERTIES ('format-version'='2')"
-    )
-    if "kafka_hour" not in spark.table(table).columns:
+    try:
+        schema = spark.table(table).schema
+    except AnalysisException:  # no such table (yet)
+        cols = ", ".join(f"{c.name} {SPARK_TYPES[c.type]}" for c in spec.columns if c.name != key)
+        key_type = next(SPARK_TYPES[c.type] for c in spec.columns if c.name == key)
+        spark.sql(
+            f"CREATE TABLE IF NOT EXISTS {table} ({key} {key_type}, {cols}, "
+            "deleted boolean, order_ts timestamp, kafka_timestamp timestamp, "
+            "kafka_hour timestamp, kafka_partition int, kafka_offset bigint) "
+            "USING iceberg TBLPROPERTIES ('format-version'='2')"
+        )
+        schema = spark.table(table).schema
+    if "kafka_hour" not in schema.fieldNames():
         raise ValueError(
             f"table {table} has the old layout; drop it (DROP TABLE {table} PURGE) and re-run "
             "the current-state backfill"
         )
     add_columns(
-        spark, table, [(c.name, SPARK_TYPES[c.type]) for c in spec.columns if c.name != key]
+        spark,
+        table,
+        [(c.name, SPARK_TYPES[c.type]) for c in spec.columns if c.name != key],
+        schema,
     )
 
 

@@ -12,6 +12,7 @@ from backfill_assets.spec.model import SPARK_TYPES, TopicSpec
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
     from pyspark.sql import SparkSession
+    from pyspark.sql.types import StructType
 
     from backfill_assets.stack.settings import Settings
 
@@ -83,11 +84,18 @@ def ensure_tables(
 _ADDED = tuple(name for name, _ in QUARANTINE_ADDED)
 
 
-def add_columns(spark: SparkSession, table: str, columns: list[tuple[str, str]]) -> list[str]:
+def add_columns(
+    spark: SparkSession,
+    table: str,
+    columns: list[tuple[str, str]],
+    schema: StructType | None = None,
+) -> list[str]:
     """Add the ``(name, Spark type)`` columns ``table`` lacks (a column added to the spec:
     NULL in the rows written before; re-run their hours to fill it), in one catalog commit;
-    refuse a column whose type changed. Returns the names added."""
-    have = {f.name: f.dataType.simpleString() for f in spark.table(table).schema.fields}
+    refuse a column whose type changed. ``schema``: the table's, if the caller just read it.
+    Returns the names added."""
+    schema = spark.table(table).schema if schema is None else schema
+    have = {f.name: f.dataType.simpleString() for f in schema.fields}
     changed = {n: (have[n], t) for n, t in columns if n in have and have[n] != t}
     if changed:
         raise ReplayError(
