@@ -15,7 +15,7 @@ import json
 import os
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -321,32 +321,6 @@ class Settings:
             return {"Authorization": f"Bearer {self.schema_registry_token}"}
         return {}
 
-    def with_secrets(
-        self,
-        *,
-        kafka_sasl_password: str | None = None,
-        catalog_jdbc_password: str | None = None,
-        s3_access_key_id: str | None = None,
-        s3_secret_access_key: str | None = None,
-    ) -> Settings:
-        """These settings with the secrets given replaced (None keeps the environment's): how
-        the Dagster resources pass the values of their ``EnvVar`` config to the clients."""
-        kafka = self.kafka
-        if kafka_sasl_password is not None:
-            kafka = replace(kafka, sasl_password=kafka_sasl_password)
-        cfg = self.catalog
-        catalog = replace(
-            cfg,
-            jdbc_password=cfg.jdbc_password
-            if catalog_jdbc_password is None
-            else catalog_jdbc_password,
-            s3_access_key_id=cfg.s3_access_key_id if s3_access_key_id is None else s3_access_key_id,
-            s3_secret_access_key=(
-                cfg.s3_secret_access_key if s3_secret_access_key is None else s3_secret_access_key
-            ),
-        )
-        return replace(self, kafka=kafka, catalog=catalog)
-
     @property
     def kafka_data_dir(self) -> Path:
         return self.home / "kafka"
@@ -410,8 +384,9 @@ class Settings:
         )
 
 
-# The environment variables that hold secrets (read by Settings.from_env); the Dagster
-# resources show each as an EnvVar, never as its value.
+# The environment variables that hold secrets (read by Settings.from_env): masked whole by
+# `backfill-assets settings`. The Dagster resources show these and the JSON settings that may
+# carry secrets as EnvVars, never as values (backfill_assets.defs.resources).
 SECRET_VARS = (
     "BACKFILL_KAFKA_SASL_PASSWORD",
     "BACKFILL_CATALOG_JDBC_PASSWORD",
@@ -421,13 +396,6 @@ SECRET_VARS = (
     "AWS_ACCESS_KEY_ID",
     "AWS_SECRET_ACCESS_KEY",
 )
-
-
-def secrets_set(environ: Mapping[str, str] | None = None) -> frozenset[str]:
-    """Which of :data:`SECRET_VARS` are set in ``environ`` (default: the process environment);
-    their values are not returned."""
-    env = os.environ if environ is None else environ
-    return frozenset(name for name in SECRET_VARS if name in env)
 
 
 class Env(Mapping[str, str]):
