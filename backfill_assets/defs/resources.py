@@ -11,7 +11,6 @@ the environment as before.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -64,14 +63,14 @@ SECRET_VARIABLES = frozenset({*SPARK_SECRETS.values(), *KAFKA_SECRETS.values()})
 
 
 def _settings(resource: object, fields: Mapping[str, str]) -> Settings | None:
-    """The environment's settings with the secrets configured on ``resource`` (its ``fields``,
-    each named for the variable it holds) in place of the variables', or None (the client then
-    reads the environment at each call, as before) when none is configured."""
+    """The settings with the secrets configured on ``resource`` (its ``fields``, each named for
+    the variable it holds) over every other source, or None (the client then reads the
+    settings at each call, as before) when none is configured."""
     given = {var: getattr(resource, field) for field, var in fields.items()}
     given = {var: value for var, value in given.items() if value is not None}
     if not given:
         return None
-    return Settings.from_env({**os.environ, **given})
+    return Settings.from_env(overrides=given)
 
 
 class SparkResource(PySparkResource):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
+from typing import Literal, get_args
 
 from backfill_assets.errors import SettingsError
 
@@ -55,8 +56,12 @@ _TRANSLATED = (
 # Properties only the Java client needs (librdkafka has the behaviour built in).
 _JAVA_ONLY = ("sasl.login.callback.handler.class",)
 ALLOWED = _SAME_NAME + _TRANSLATED + _JAVA_ONLY
-PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
-MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER")
+# The security protocols and SASL mechanisms both clients take (BACKFILL_KAFKA_SECURITY_PROTOCOL
+# and BACKFILL_KAFKA_SASL_MECHANISM are these types).
+SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"]
+PROTOCOLS: tuple[str, ...] = get_args(SecurityProtocol)
+MECHANISMS: tuple[str, ...] = get_args(SaslMechanism)
 _SECRET = re.compile(r"(?i)password|secret|jaas|token|credential|ssl\.keystore\.key$")
 _EXAMPLE = (
     'e.g. {"security.protocol": "SSL", "ssl.keystore.type": "PEM", '

@@ -267,7 +267,7 @@ def test_settings_refuse_unsafe_orphan_retention() -> None:
     from backfill_assets.errors import SettingsError
 
     env = {"BACKFILL_HOME": "/tmp/x", "BACKFILL_MAINTENANCE_ORPHAN_RETENTION_HOURS": "1"}
-    with pytest.raises(SettingsError, match="ORPHAN_RETENTION_HOURS=1 is below 24"):
+    with pytest.raises(SettingsError, match="ORPHAN_RETENTION_HOURS='1' is below 24"):
         Settings.from_env(env)
     ok = Settings.from_env({**env, "BACKFILL_MAINTENANCE_ORPHAN_RETENTION_HOURS": "48"})
     assert ok.maintenance.orphan_retention == timedelta(hours=48)

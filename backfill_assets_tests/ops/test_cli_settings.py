@@ -150,7 +150,9 @@ def test_the_table_and_the_json_list_the_same_settings(
     for row in rows:
         assert row["variable"] in out
     assert re.search(r"BACKFILL_SENSORS\s+off\s+on\s+environment", out)
-    assert re.search(rf"\n{len(rows)} settings; [1-9][0-9]* set \(environment, .env or cli\)", out)
+    assert re.search(
+        rf"\n{len(rows)} settings; [1-9][0-9]* set \(environment, .env, settings file or cli\)", out
+    )
 
 
 def test_a_variable_the_cli_sets_says_so(

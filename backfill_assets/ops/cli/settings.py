@@ -24,10 +24,11 @@ ENV_FILE_SET = "backfill_assets.env_file_set"
 @with_ui
 def settings_command(ui: Ui, settings: Settings) -> int:
     """List every setting the package reads: its environment variable, current value, default
-    and source (environment; .env: the current directory's .env file, which Dagster's webserver,
-    daemon and code servers started there read too, and whose values win; default; cli: set by
-    this command line from the dagster.yaml it found). Secrets (passwords, keys, tokens, also
-    inside URLs and BACKFILL_SPARK_CONF) are never printed: `***` only says one is set.
+    and source (.env: the current directory's .env file, which Dagster's webserver, daemon and
+    code servers started there read too, and whose values win; environment; settings file: the
+    TOML file BACKFILL_SETTINGS_FILE names, below the environment; default; cli: set by this
+    command line from the dagster.yaml it found). Secrets (passwords, keys, tokens, also inside
+    URLs and BACKFILL_SPARK_CONF) are never printed: `***` only says one is set.
     infra/README.md describes each setting."""
     meta = click.get_current_context().meta
     rows = [{**asdict(s), "source": _source(s, meta)} for s in listing()]
@@ -36,7 +37,10 @@ def settings_command(ui: Ui, settings: Settings) -> int:
         row(out, doc["variable"], _shown(doc["value"]), _shown(doc["default"]), doc["source"])
     ui.table(out)
     changed = sum(doc["source"] != "default" for doc in rows)
-    ui.line(f"{len(rows)} settings; {changed} set (environment, .env or cli), the others default")
+    ui.line(
+        f"{len(rows)} settings; {changed} set (environment, .env, settings file or cli), "
+        "the others default"
+    )
     ui.emit({"settings": rows})
     return 0
 
