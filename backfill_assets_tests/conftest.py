@@ -43,6 +43,20 @@ def _no_repository_dagster_home(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli, "dagster_home_dirs", lambda: ())
 
 
+@pytest.fixture
+def settings_sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """For tests of where settings come from: no BACKFILL_* or AWS_* variable in the
+    environment (the session's stack_env sets some) and an empty working directory (no .env),
+    which it returns."""
+    for name in list(os.environ):
+        if name.startswith(("BACKFILL_", "AWS_")):
+            monkeypatch.delenv(name)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    return work
+
+
 # Which stack the session's fixtures start: "local" (one broker, classic local Spark, SQLite:
 # the default tier) or "cluster" (the production-shaped stack of support/cluster_stack.py, that
 # the `cluster` tier runs the named modules on, unchanged).

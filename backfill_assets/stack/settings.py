@@ -823,9 +823,10 @@ def _message(exc: ValidationError, sources: Sources) -> str:
     else:
         raw = first["input"]
         shown = repr(masked(name, raw) if isinstance(raw, str) else raw)
-        text = f"{name}={shown} {_problem(first)}"
+        problem = _problem(first)
         allowed = _allowed_text(Environment.model_fields[name])
-        text += f"; allowed: {allowed}" if allowed else ""
+        text = f"{name}={shown} {problem}"
+        text += f"; allowed: {allowed}" if allowed and allowed not in problem else ""
     where = next((origin for origin, source in sources if name in source()), "environment")
     if where == "settings file":
         text += f" (set in {SETTINGS_FILE}={os.fspath(_settings_path(sources))!r})"
@@ -869,7 +870,9 @@ def _allowed_text(info: FieldInfo) -> str | None:
     if least is not None and most is not None:
         return f"{least} to {most}"
     if least is not None:
-        return "a positive whole number" if least == 1 else f"{least} or more"
+        return {0: "zero or a positive whole number", 1: "a positive whole number"}.get(
+            least, f"{least} or more"
+        )
     return None
 
 

@@ -4,6 +4,8 @@ variables leave the resources as they were."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import dagster as dg
 import pytest
 from dagster._core.remote_representation.external_data import (
@@ -121,6 +123,24 @@ def test_configured_secrets_reach_spark_and_the_catalog(secrets: dict[str, str])
 def test_a_configured_value_wins_over_the_environment(secrets: dict[str, str]) -> None:
     live = KafkaResource(sasl_password="from-config").process_config_and_initialize()
     assert live.client().settings.kafka.sasl_password == "from-config"
+
+
+def test_a_configured_value_wins_and_the_rest_comes_from_every_source(
+    settings_sandbox: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run worker whose resource holds a secret reads the other settings as every entry
+    point does: the .env of its working directory and the settings file too."""
+    path = settings_sandbox.parent / "settings.toml"
+    path.write_text('BACKFILL_KAFKA_PORT = 29092\nBACKFILL_KAFKA_SASL_USERNAME = "svc"\n')
+    (settings_sandbox / ".env").write_text("BACKFILL_KAFKA_SASL_PASSWORD=from-env-file\n")
+    monkeypatch.setenv("BACKFILL_SETTINGS_FILE", str(path))
+    live = KafkaResource(sasl_password="from-config").process_config_and_initialize()
+    kafka = live.client().settings.kafka
+    assert (kafka.sasl_password, kafka.sasl_username, kafka.local_port) == (
+        "from-config",
+        "svc",
+        29092,
+    )
 
 
 @SNAPSHOT_WARNING

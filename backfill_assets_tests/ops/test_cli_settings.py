@@ -221,3 +221,40 @@ def test_the_current_directorys_env_file_is_read_as_dagster_reads_it(
 
     assert os.environ["BACKFILL_KAFKA_PORT"] == "39092"
     assert "BACKFILL_SENSORS" not in os.environ
+
+
+def test_a_settings_file_value_is_listed_as_such_and_its_secrets_masked(
+    settings_sandbox: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """BACKFILL_SETTINGS_FILE's values show source `settings file`, below .env and the
+    environment; its secrets, whole or inside a TOML table, are never printed."""
+    path = settings_sandbox.parent / "settings.toml"
+    path.write_text(
+        "BACKFILL_KAFKA_PORT = 29092\n"
+        "BACKFILL_SPARK_SHUFFLE_PARTITIONS = 8\n"
+        "BACKFILL_SENSORS = false\n"
+        f'BACKFILL_KAFKA_SASL_PASSWORD = "{SECRET}"\n'
+        "[BACKFILL_CATALOG_PROPERTIES]\n"
+        f'credential = "lake:{SECRET}"\n'
+        'scope = "catalog"\n'
+    )
+    (settings_sandbox / ".env").write_text("BACKFILL_SPARK_SHUFFLE_PARTITIONS=16\n")
+    monkeypatch.setenv("BACKFILL_SETTINGS_FILE", str(path))
+    monkeypatch.setenv("BACKFILL_SENSORS", "on")
+    assert cli.main(["settings"]) == 0
+    text = capsys.readouterr().out
+    assert cli.main(["settings", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert SECRET not in text and SECRET not in out
+    assert re.search(r"BACKFILL_KAFKA_PORT\s+29092\s+19092\s+settings file", text)
+    rows = {r["variable"]: r for r in json.loads(out)["settings"]}
+    shown = {name: (rows[name]["value"], rows[name]["source"]) for name in rows}
+    assert shown["BACKFILL_KAFKA_PORT"] == ("29092", "settings file")
+    assert shown["BACKFILL_KAFKA_SASL_PASSWORD"] == ("***", "settings file")
+    assert shown["BACKFILL_SPARK_SHUFFLE_PARTITIONS"] == ("16", ".env")
+    assert shown["BACKFILL_SENSORS"] == ("on", "environment")
+    assert shown["BACKFILL_SETTINGS_FILE"] == (str(path), "environment")
+    assert rows["BACKFILL_KAFKA_CONTROLLER_PORT"]["default"] == "29093"
+    props = rows["BACKFILL_CATALOG_PROPERTIES"]
+    assert props["source"] == "settings file"
+    assert json.loads(props["value"]) == {"credential": "***", "scope": "catalog"}
