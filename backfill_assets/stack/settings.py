@@ -777,10 +777,13 @@ def _sources(
         found.append(("override", _Given(cls, overrides)))
     if environ is not None:
         return [*found, ("environment", _Given(cls, environ))]
-    dotenv = DotEnvSettingsSource(cls, env_file=ENV_FILE, dotenv_filtering="only_existing")
     process = EnvSettingsSource(cls)
-    found += [(".env", dotenv), ("environment", process)]
-    path = dotenv.env_vars.get(SETTINGS_FILE) or process.env_vars.get(SETTINGS_FILE)
+    path = process.env_vars.get(SETTINGS_FILE)
+    if Path(ENV_FILE).is_file():  # else nothing to read (a source costs ~1 ms a read)
+        dotenv = DotEnvSettingsSource(cls, env_file=ENV_FILE, dotenv_filtering="only_existing")
+        found.append((".env", dotenv))
+        path = dotenv.env_vars.get(SETTINGS_FILE) or path
+    found.append(("environment", process))
     if path:
         found.append(("settings file", _SettingsFile(cls, Path(path))))
     return found

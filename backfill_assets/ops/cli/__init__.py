@@ -166,11 +166,11 @@ def _version() -> str:
 def cli(ctx: click.Context, debug: bool) -> None:
     """Safe Kafka -> Iceberg backfills with Dagster.
 
-    Settings are read from the environment and from a .env file in the current directory, whose
-    values win, as Dagster's webserver, daemon and code servers read it (`backfill-assets
-    settings` shows each one's source). The Dagster instance is $DAGSTER_HOME's; when it is
-    unset, the current directory's or else the repository's dagster.yaml, with its storage in
-    $BACKFILL_HOME/dagster (.stack/dagster).
+    Settings are read from a .env file in the current directory, whose values win as in
+    Dagster's webserver, daemon and code servers, then the environment, then the TOML file
+    BACKFILL_SETTINGS_FILE names (`backfill-assets settings` shows each one's source). The
+    Dagster instance is $DAGSTER_HOME's; when it is unset, the current directory's or else the
+    repository's dagster.yaml, with its storage in $BACKFILL_HOME/dagster (.stack/dagster).
 
     \b
     Exit status:
