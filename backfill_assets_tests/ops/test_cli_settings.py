@@ -1,4 +1,4 @@
-"""``backfill-assets settings``: every variable the package reads, from the parser's own reads
+"""``backfill-assets settings``: every variable the package reads, from the settings model
 (no second list), with its value, default and source; secrets never printed. In-process, no
 services."""
 
