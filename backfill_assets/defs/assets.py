@@ -28,7 +28,7 @@ from backfill_assets.lake.offsets.contract import window_contract
 from backfill_assets.lake.write import audit, checks, derived, publish, replay
 from backfill_assets.spec import declared, versions
 from backfill_assets.spec.model import CURRENT_META_COLUMNS, ColumnSpec, TableSpec, TopicSpec
-from backfill_assets.stack.catalog import CatalogClient
+from backfill_assets.stack.catalog import CatalogClient, refusal
 
 # One run covers up to a week of hourly partitions: a 30-day backfill starts 5 runs (5 Spark
 # sessions and 5 branches), not 720. A week is also the retry unit: a failed run re-reads at
@@ -277,9 +277,13 @@ def _audit_failures(
             )
         except Exception as audit_exc:
             context.log.error(f"could not write the audit row for this failure: {audit_exc}")
-        # Kafka said why, or the topic is a new log: the message, no traceback
+        # Kafka said why, the topic is a new log, or the REST catalog refused our credentials
+        # (pyiceberg or Spark's JVM): the message, no traceback
         if isinstance(exc, (KafkaClientError, TopicReplaced)):
             raise dg.Failure(description=str(exc)) from None
+        refused = refusal(iceberg.settings.catalog, exc)
+        if refused is not None:
+            raise dg.Failure(description=str(refused)) from None
         raise
 
 

@@ -10,6 +10,7 @@ catalog on object storage from :class:`~backfill_assets.stack.settings.CatalogSe
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import time
 from collections.abc import Callable
@@ -155,10 +156,36 @@ def load(cfg: CatalogSettings) -> Catalog:
         raise refused_error(cfg, exc) from None
 
 
-def refused_error(cfg: CatalogSettings, exc: BaseException) -> SettingsError:
+# How Iceberg's Java REST client (inside Spark, classic or Connect) reports a refusal: the
+# exception's class name, then the server's words, somewhere in the pyspark error's text.
+_JVM_REFUSAL = re.compile(
+    r"org\.apache\.iceberg\.exceptions\.(NotAuthorized|Forbidden)Exception\)?:?\s*([^\n]*)"
+)
+
+
+def refusal(cfg: CatalogSettings, exc: BaseException) -> SettingsError | None:
+    """:func:`refused_error` if ``exc`` is the REST catalog refusing our credentials, whether
+    pyiceberg or Spark (Iceberg's Java client, in a JVM traceback) met it; else None."""
+    from pyiceberg.exceptions import ForbiddenError, OAuthError, UnauthorizedError
+
+    if isinstance(exc, (OAuthError, UnauthorizedError, ForbiddenError)):
+        return refused_error(cfg, exc)
+    found = _JVM_REFUSAL.search(str(exc)) if cfg.kind == "rest" else None
+    if found is None:
+        return None
+    words = found.group(2).strip() or "refused"
+    return refused_error(cfg, exc, f"{found.group(1)}Exception: {words}")
+
+
+def refused_error(
+    cfg: CatalogSettings, exc: BaseException, detail: str | None = None
+) -> SettingsError:
     """One line naming the setting when the REST catalog refuses our credentials; the
-    server's own words are kept, any value of BACKFILL_CATALOG_PROPERTIES removed from them."""
-    detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    server's own words (``detail``, else the first line of ``exc``) are kept, any value of
+    BACKFILL_CATALOG_PROPERTIES removed from them."""
+    if detail is None:
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    detail = detail[:300]
     for value in cfg.properties.values():
         if len(value) >= 4:
             detail = detail.replace(value, "***")

@@ -110,3 +110,24 @@ def test_retry_commit_raises_what_is_not_a_lost_race_and_the_last_attempt() -> N
     with pytest.raises(CommitFailedException):
         retry_commit(always_loses, attempts=3, backoff_s=0.0)
     assert calls == [0, 1, 2]
+
+
+def test_only_a_rest_catalogs_refusal_is_reported_as_one(
+    spark_session: SparkSession, stack_settings: Settings
+) -> None:
+    """``catalog.refusal`` names BACKFILL_CATALOG_PROPERTIES only for Iceberg's refusal of a
+    REST catalog; any other Spark error (a missing table) stays as it is. The JVM's refusal
+    itself: ``stack/test_rest_catalog.py`` (cluster tier, a real REST server)."""
+    from dataclasses import replace
+
+    from backfill_assets.stack import catalog
+
+    rest = replace(stack_settings.catalog, kind="rest", uri="http://127.0.0.1:9/catalog")
+    with pytest.raises(Exception) as caught:
+        spark_session.sql(f"SELECT * FROM lake.{rest.namespace}.no_such_table").collect()
+    assert catalog.refusal(rest, caught.value) is None
+    planted = RuntimeError("org.apache.iceberg.exceptions.NotAuthorizedException: Not authorized")
+    assert catalog.refusal(stack_settings.catalog, planted) is None  # a SQL catalog: no REST
+    message = str(catalog.refusal(rest, planted))
+    assert message.startswith("BACKFILL_CATALOG_PROPERTIES: the REST catalog http://127.0.0.1:9")
+    assert "NotAuthorizedException: Not authorized" in message

@@ -102,6 +102,52 @@ def test_missing_or_wrong_credential_is_one_line_naming_the_setting(
     assert "wrong-secret-value" not in message and rest.token not in message
 
 
+# Spark's own REST client (Iceberg's Java one) meeting a wrong credential, in a fresh
+# interpreter (the session's Spark, if another module started it, is built for SQLite).
+_SPARK_REFUSED = """
+import json
+from backfill_assets.stack import catalog, spark
+from backfill_assets.stack.settings import Settings
+s = Settings.from_env()
+session = spark.get_session(s)
+try:
+    session.sql(f"SHOW NAMESPACES IN {s.catalog.name}").collect()
+    found = {"raised": None, "message": None}
+except Exception as exc:
+    refused = catalog.refusal(s.catalog, exc)
+    found = {"raised": str(exc), "message": None if refused is None else str(refused)}
+print("RESULT", json.dumps(found))
+"""
+
+
+def test_a_refusal_met_in_sparks_jvm_is_one_line_naming_the_setting(
+    rest: IcebergRest, stack_env: dict[str, str]
+) -> None:
+    """Spark's catalog (Iceberg's Java REST client) refused with a wrong client secret raises
+    a Java traceback; :func:`catalog.refusal` (what a run's failure and the CLI report) turns
+    it into the one line pyiceberg's refusal gets, without the secret."""
+    oauth = {"oauth2-server-uri": f"{rest.url}/v1/oauth/tokens", "scope": "catalog"}
+    wrong = {"credential": "backfill-x:wrong-secret-value", **oauth}
+    env = {**_env(rest, wrong), "BACKFILL_HOME": str(rest.root / "jvm-home")}
+    proc = subprocess.run(
+        [sys.executable, "-c", _SPARK_REFUSED],
+        env={**_child_env(stack_env), **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and len(lines) == 1, proc.stderr[-3000:]
+    found = json.loads(lines[0].removeprefix("RESULT "))
+    assert found["raised"] is not None and "NotAuthorizedException" in found["raised"]
+    message = found["message"]
+    assert message is not None, found["raised"][:2000]
+    assert message.startswith("BACKFILL_CATALOG_PROPERTIES: the REST catalog " + rest.url)
+    assert "NotAuthorizedException" in message and "\n" not in message
+    assert "wrong-secret-value" not in message and "credentials given: credential" in message
+
+
 def test_settings_listing_masks_the_catalog_credentials(rest: IcebergRest) -> None:
     """``backfill-assets settings`` (the listing it prints) shows the property names, never the
     credential or token values."""

@@ -45,7 +45,8 @@ from backfill_assets.ops.cli import (
 )
 from backfill_assets.ops.cli.common import Exit
 from backfill_assets.ops.cli.output import Ui
-from backfill_assets.stack.settings import REPO_ROOT, env_file_values
+from backfill_assets.stack.catalog import refusal
+from backfill_assets.stack.settings import REPO_ROOT, Settings, env_file_values
 
 __all__ = ["AnticipatedError", "Exit", "Ui", "cli", "main"]
 
@@ -81,6 +82,20 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except BackfillError as exc:
             raise ERRORS[exc.kind](str(exc)) from None
+        except Exception as exc:
+            refused = _catalog_refusal(exc)
+            if refused is None:
+                raise
+            raise ERRORS[refused.kind](str(refused)) from None
+
+
+def _catalog_refusal(exc: Exception) -> BackfillError | None:
+    """The one line for a REST catalog that refused our credentials, met in Spark's JVM (whose
+    error is a Java traceback) or pyiceberg; None for any other error or unreadable settings."""
+    try:
+        return refusal(Settings.from_env().catalog, exc)
+    except BackfillError:
+        return None
 
 
 def dagster_home_dirs() -> tuple[Path, ...]:
