@@ -9,7 +9,7 @@ backfill (bench/northstar.py ``--hand-written``), each timed, each written to Ic
    partitioned by Kafka hour. No quarantine table: refused records are dropped.
 2. **events**: the winner per event id by the project's version rule (within a Kafka partition
    the later offset, across partitions the later Kafka timestamp, then the higher partition:
-   ``derived.newest``), two windows over the raw table, ``CACHE TABLE`` under the topic's name
+   ``derived.newest``), two windows over the raw table, a cached view under the topic's name
    (the relation the declared SQL reads), shared by the current state and the declared tables.
 3. **current**: per key, the latest of the winners and the tombstones by the spec's ``order_by``
    (Kafka time for a tombstone), ties broken by the same version rule; a tombstone (or an event
@@ -147,12 +147,14 @@ def _newest_sql(rows: str, by: str) -> str:
 
 
 def cache_events(spark: SparkSession, spec: TopicSpec, raw_table: str) -> Output:
-    """The winner of every event id, ``CACHE TABLE`` as the topic's relation name."""
+    """The winner of every event id, a cached temporary view named as the topic's relation."""
     columns = ", ".join(f"`{c.name}`" for c in spec.columns)
     events = f"SELECT {columns}, {_POSITION} FROM {raw_table}"
     events += f" WHERE `{spec.event_id_field}` IS NOT NULL"
     began = time.monotonic()
-    spark.sql(f"CACHE TABLE `{spec.name}` AS {_newest_sql(events, spec.event_id_field)}")
+    view = _newest_sql(events, spec.event_id_field)
+    spark.sql(f"CREATE OR REPLACE TEMP VIEW `{spec.name}` AS {view}")
+    spark.sql(f"CACHE TABLE `{spec.name}`")  # eager: the winners are computed here
     seconds = time.monotonic() - began
     return Output("events (cached)", None, seconds, spark.table(spec.name).count())
 
@@ -223,4 +225,5 @@ def run(
             outputs.append(write_declared(spark, tables[name], start, end, full(name)))
     finally:
         spark.sql(f"UNCACHE TABLE IF EXISTS `{spec.name}`")
+        spark.catalog.dropTempView(spec.name)
     return outputs
