@@ -17,10 +17,19 @@ ASSET_MATERIALIZATION, RUN_SUCCESS) and, inside a step, the Iceberg commits the 
 branch writes and its published commit, from the table's snapshot log). Also measured once,
 before the services start: a Spark session started alone in a fresh process (import, session).
 
+With ``--floor`` (needs ``--connect``) each measured hour also gets its floor, in the same
+script on the same warm engine: an empty Dagster run launched as the hour's run was (the
+partitioned no-op asset of bench/floor_location.py, a second code location that imports the
+project's Definitions module: the queue, the run process and the same code load), plus the
+hand-written jobs for the same hour's outputs (bench/hand_floor.py: raw by ``from_json``, the
+events' winners, the current state, the declared tables the hour's backfill wrote) run by this
+process on the same Spark Connect server. Goal: launch -> published <= 2x that floor.
+
 Run from the repository root (jars resolved by scripts/bootstrap.sh):
     .venv/bin/python bench/latency.py                      # the repository's dagster.yaml
     .venv/bin/python bench/latency.py --dagster-yaml OTHER.yaml
     .venv/bin/python bench/latency.py --connect            # runs as Spark Connect thin clients
+    .venv/bin/python bench/latency.py --connect --floor    # and each hour's floor
 Timings on a shared 2-core machine are noisy: compare runs of the same invocation or load.
 """
 
@@ -48,6 +57,19 @@ from backfill_assets_tests.support.services import dagster_services, free_port  
 HISTORY_START = datetime(2026, 6, 1, tzinfo=UTC)
 PARTITION_FMT = "%Y-%m-%d-%H:%M"
 GOAL_S = 30.0
+FLOOR_GOAL = 2.0  # launch -> published <= 2x the floor (issue 49)
+FLOOR_ASSET = "bench_floor_noop"  # bench/floor_location.py
+
+# The project's code location and the floor's (bench/floor_location.py), for --floor.
+FLOOR_WORKSPACE = """load_from:
+  - python_module:
+      module_name: backfill_assets.defs.definitions
+      location_name: backfill_assets
+  - python_file:
+      relative_path: {path}
+      location_name: bench_floor
+      working_directory: {root}
+"""
 
 SPARK_ALONE = """
 import json, sys, time
@@ -233,6 +255,72 @@ def dump_events(instance: Any, backfill_id: str, origin: float) -> None:
             )
 
 
+def empty_run(client: Any, instance: Any, partition: str) -> float:
+    """Seconds from launching the floor's no-op asset for ``partition`` (as the hour's run was
+    launched: one run through the webserver, the run queue) to its RUN_SUCCESS."""
+    import dagster as dg
+
+    from backfill_assets.ops import launch
+
+    tags = {"backfill_assets/launched_by": "bench:latency-floor"}
+    clicked = time.time()
+    run_id = launch.launch_run(client, [dg.AssetKey(FLOOR_ASSET)], partition, tags, "floor")
+    final = launch.wait_run(client, run_id, 1, poll_s=0.5, timeout_s=600)
+    if not final.succeeded:
+        raise RuntimeError(f"the floor's empty run {run_id} ended {final.line()}")
+    record = instance.get_run_record_by_id(run_id)
+    return float(record.end_time - clicked)
+
+
+def hand_hour(
+    session: Any,
+    settings: Any,
+    spec: Any,
+    first: datetime,
+    ranges: list[tuple[Any, str, str]],
+) -> list[Any]:
+    """bench/hand_floor.py's jobs for Kafka hour ``first``: its offsets read and parsed into the
+    raw table, the events' winners, the current state, and each declared table the hour's
+    backfill wrote, over that table's range; each output timed."""
+    import hand_floor
+
+    from backfill_assets.lake.offsets.contract import offset_contract
+    from backfill_assets.stack.kafka import KafkaClient
+
+    contract = offset_contract(KafkaClient(), spec.topic, first, first + timedelta(hours=1))
+    declared = {t.name for t in spec.tables}
+    ends = {
+        key.path[-1]: (
+            datetime.strptime(a, PARTITION_FMT).replace(tzinfo=UTC),
+            datetime.strptime(b, PARTITION_FMT).replace(tzinfo=UTC) + timedelta(hours=1),
+        )
+        for key, a, b in ranges
+        if key.path[-1] in declared
+    }
+    return list(hand_floor.run(session, settings, spec, [contract], ends))
+
+
+def report_floor(rows: list[dict[str, Any]]) -> None:
+    """Per measured hour: launch -> published against its floor (the empty run + the
+    hand-written jobs), and the median ratio."""
+    print("\nfloor per hour: empty Dagster run + hand-written jobs (same Connect server)")
+    print("| run | PUBLISHED | empty run | hand-written (outputs) | floor | ratio | load |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        hand = sum(o.seconds for o in row["hand"])
+        floor = row["empty_run_s"] + hand
+        parts = ", ".join(f"{o.name} {o.seconds:.1f}" for o in row["hand"])
+        print(
+            f"| {row['backfill_id'][:8]} | {row['published_s']:.1f} | {row['empty_run_s']:.1f} | "
+            f"{hand:.1f} ({parts}) | {floor:.1f} | **{row['published_s'] / floor:.2f}x** | "
+            f"{row['floor_load']} |"
+        )
+    ratios = [
+        r["published_s"] / (r["empty_run_s"] + sum(o.seconds for o in r["hand"])) for r in rows
+    ]
+    print(f"median ratio {statistics.median(ratios):.2f}x (goal <= {FLOOR_GOAL:.0f}x)")
+
+
 def report(rows: list[dict[str, Any]], title: str) -> None:
     names = [name for name, _ in PHASES]
     short = {
@@ -292,10 +380,18 @@ def main() -> None:
         help="runs are thin clients of a warm local Spark Connect server (started here, as "
         "`stack up` does, before the services; BACKFILL_SPARK_CONNECT in their environment)",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="after each measured hour, its floor: an empty run launched the same way plus the "
+        "hand-written jobs for the hour on the same Connect server (needs --connect)",
+    )
     parser.add_argument("--seed", type=int, default=13)
     parser.add_argument("--keep", action="store_true", help="keep the temporary home")
     parser.add_argument("--dump", action="store_true", help="print every event of each run")
     args = parser.parse_args()
+    if args.floor and not args.connect:
+        parser.error("--floor needs --connect (the floor's jobs run on the same warm server)")
     warnings.filterwarnings("ignore")  # Dagster's beta notices on import
 
     home = Path(tempfile.mkdtemp(prefix="bench-latency-"))
@@ -357,9 +453,25 @@ def main() -> None:
             alone = spark_alone(dict(os.environ))
             print("  " + ", ".join(f"{k} {v:.1f} s" for k, v in alone.items()), flush=True)
         dagster_home = home / "dagster-home"
+        workspace = None
+        session = None
+        if args.floor:
+            from backfill_assets.stack import spark as spark_mod
+
+            workspace = home / "workspace.yaml"
+            workspace.write_text(
+                FLOOR_WORKSPACE.format(
+                    path=REPO_ROOT / "bench" / "floor_location.py", root=REPO_ROOT
+                )
+            )
+            session = spark_mod.get_session(Settings.from_env())
         with (
             dagster_services(
-                dagster_home, dict(os.environ), args.dagster_yaml, start_timeout_s=180
+                dagster_home,
+                dict(os.environ),
+                args.dagster_yaml,
+                start_timeout_s=180,
+                workspace=workspace,
             ) as url,
             dg.DagsterInstance.from_config(str(dagster_home)) as instance,
         ):
@@ -408,6 +520,15 @@ def main() -> None:
                 )
                 if args.dump:
                     dump_events(instance, backfill_id, clicked)
+                if args.floor and partition is not None:
+                    row["floor_load"] = loadavg()
+                    row["empty_run_s"] = empty_run(client, instance, partition)
+                    row["hand"] = hand_hour(session, Settings.from_env(), spec, first, ranges)
+                    print(
+                        f"  floor: empty run {row['empty_run_s']:.1f} s, hand-written "
+                        + ", ".join(f"{o.name} {o.seconds:.1f} s" for o in row["hand"]),
+                        flush=True,
+                    )
                 if not warm:
                     rows.append(row)
         print(f"\ndagster.yaml: {args.dagster_yaml}")
@@ -415,6 +536,8 @@ def main() -> None:
         report(rows, "seconds per phase, click -> last ASSET_MATERIALIZATION (PUBLISHED)")
         for name, what in PHASES:
             print(f"  {name}: {what}")
+        if args.floor and rows and "hand" in rows[0]:
+            report_floor(rows)
     finally:
         if server is not None:
             server.stop()

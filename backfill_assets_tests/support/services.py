@@ -27,17 +27,22 @@ def free_port() -> int:
 
 @contextmanager
 def dagster_services(
-    home: Path, env: dict[str, str], dagster_yaml: Path | None = None, start_timeout_s: float = 120
+    home: Path,
+    env: dict[str, str],
+    dagster_yaml: Path | None = None,
+    start_timeout_s: float = 120,
+    workspace: Path | None = None,
 ) -> Iterator[str]:
     """Start the webserver and the daemon on the instance in ``home`` (``dagster_yaml`` copied
     there, default the repository's); yield the base URL; stop both, by their PIDs.
 
-    Both load workspace.yaml exactly as `dg dev` does; runs they launch are subprocesses that
-    inherit ``env`` (so they reach the caller's broker and catalog)."""
+    Both load ``workspace`` (default the repository's workspace.yaml) exactly as `dg dev` does;
+    runs they launch are subprocesses that inherit ``env`` (so they reach the caller's broker
+    and catalog)."""
     _prepare(home, dagster_yaml)
     port = free_port()
     logs = home / "services.log"
-    procs = _start(home, {**env, "DAGSTER_HOME": str(home)}, port, logs)
+    procs = _start(home, {**env, "DAGSTER_HOME": str(home)}, port, logs, workspace)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(url, procs, logs, start_timeout_s)
@@ -74,12 +79,13 @@ def _prepare(home: Path, dagster_yaml: Path | None) -> None:
 
 
 def _start(
-    home: Path, env: dict[str, str], port: int | None, logs: Path
+    home: Path, env: dict[str, str], port: int | None, logs: Path, workspace: Path | None = None
 ) -> list[subprocess.Popen[bytes]]:
     """The daemon, and with a ``port`` the webserver first."""
     bin_dir = Path(sys.executable).parent
-    webserver = [str(bin_dir / "dagster-webserver"), "-w", "workspace.yaml", "-h", "127.0.0.1"]
-    commands = [[str(bin_dir / "dagster-daemon"), "run", "-w", "workspace.yaml"]]
+    ws = str(workspace or "workspace.yaml")
+    webserver = [str(bin_dir / "dagster-webserver"), "-w", ws, "-h", "127.0.0.1"]
+    commands = [[str(bin_dir / "dagster-daemon"), "run", "-w", ws]]
     if port is not None:
         commands.insert(0, [*webserver, "-p", str(port)])
     procs = []
