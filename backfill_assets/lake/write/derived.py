@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Any
 
 from backfill_assets.lake.write import checks
 from backfill_assets.lake.write.checks import CheckOutcome
-from backfill_assets.lake.write.tables import add_columns
-from backfill_assets.lake.write.wap import Branch, open_branch, ref_snapshot
+from backfill_assets.lake.write.tables import add_columns, has_columns
+from backfill_assets.lake.write.wap import Branch, iceberg_table, open_branch, ref_snapshot
 from backfill_assets.spec import declared
 from backfill_assets.spec.model import EVENT_META_COLUMNS, SPARK_TYPES, TableSpec, TopicSpec
 
@@ -272,7 +272,7 @@ def pin_inputs(
     reads: dict[str, tuple[int, int]] = {}
     for ref in table.refs:
         name = _input_table(known[ref], sources)
-        pin = ref_snapshot(spark, name, "main") if spark.catalog.tableExists(name) else None
+        pin = ref_snapshot(spark, name, "main")
         if pin is None:
             idents[ref] = name
             continue
@@ -675,7 +675,8 @@ def build_current(
     key = spec.current_rule.key
     payload = [c.name for c in spec.columns if c.name != key]
     _ensure_current_table(spark, spec, table)
-    pin = ref_snapshot(spark, raw_table, "main") if spark.catalog.tableExists(raw_table) else None
+    # The raw table's main from the catalog's metadata (pyiceberg; None: no such table yet).
+    pin = ref_snapshot(spark, raw_table, "main")
     pinned = f"{raw_table}.snapshot_id_{pin[0]}" if pin is not None else raw_table
     raw = spark.table(pinned)
     clock = _Clock()
@@ -718,10 +719,20 @@ class _Clock:
 def _ensure_current_table(spark: SparkSession, spec: TopicSpec, table: str) -> None:
     """Create the current-state table if it does not exist (the key as its column's type, a
     string before the key took it); refuse one with the old layout; add the columns the spec
-    gained since. An existing table costs one schema question."""
+    gained since. A table in the current layout with every column at the spec's type is seen
+    from the catalog's metadata (pyiceberg: no Spark question); any other costs one schema
+    question of Spark, which decides."""
     from pyspark.errors import AnalysisException
 
     key = spec.current_rule.key
+    columns = [(c.name, SPARK_TYPES[c.type]) for c in spec.columns if c.name != key]
+    found = iceberg_table(table)
+    if found is not None:
+        schema_now = found.schema()
+        if any(f.name == "kafka_hour" for f in schema_now.fields) and has_columns(
+            schema_now, columns
+        ):
+            return
     try:
         schema = spark.table(table).schema
     except AnalysisException:  # no such table (yet)
@@ -739,12 +750,7 @@ def _ensure_current_table(spark: SparkSession, spec: TopicSpec, table: str) -> N
             f"table {table} has the old layout; drop it (DROP TABLE {table} PURGE) and re-run "
             "the current-state backfill"
         )
-    add_columns(
-        spark,
-        table,
-        [(c.name, SPARK_TYPES[c.type]) for c in spec.columns if c.name != key],
-        schema,
-    )
+    add_columns(spark, table, columns, schema)
 
 
 def _current_source(

@@ -11,6 +11,8 @@ from backfill_assets.spec.model import SPARK_TYPES, TopicSpec
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
+    from pyiceberg.schema import Schema
+    from pyiceberg.types import IcebergType
     from pyspark.sql import SparkSession
     from pyspark.sql.types import StructType
 
@@ -107,6 +109,33 @@ def add_columns(
     if missing:
         spark.sql(f"ALTER TABLE {table} ADD COLUMNS ({', '.join(f'{n} {t}' for n, t in missing)})")
     return [n for n, _ in missing]
+
+
+def spark_type(field_type: IcebergType) -> str | None:
+    """The Spark type (its ``simpleString``) Iceberg's Spark runtime shows for a column of
+    pyiceberg's ``field_type`` (Iceberg's ``TypeToSparkType``), for the types a spec's column
+    can have; None for any other type (then only Spark can say)."""
+    from pyiceberg import types
+
+    if isinstance(field_type, types.DecimalType):
+        return f"decimal({field_type.precision},{field_type.scale})"
+    names: dict[type[IcebergType], str] = {
+        types.StringType: "string",
+        types.LongType: "bigint",
+        types.IntegerType: "int",
+        types.DoubleType: "double",
+        types.BooleanType: "boolean",
+        types.TimestamptzType: "timestamp",
+    }
+    return names.get(type(field_type))
+
+
+def has_columns(schema: Schema, columns: list[tuple[str, str]]) -> bool:
+    """Whether ``schema`` (pyiceberg's, from the catalog's metadata) holds every ``(name, Spark
+    type)`` of ``columns`` at that type: then :func:`add_columns` would neither add a column
+    nor refuse one. False whenever Spark's answer is needed to tell."""
+    have = {f.name: spark_type(f.field_type) for f in schema.fields}
+    return all(have.get(name) == spark for name, spark in columns)
 
 
 def _current_layout(catalog: Catalog, spark_name: str, added: tuple[str, ...] = ()) -> bool:

@@ -289,8 +289,11 @@ def ref_snapshot_id(spark: SparkSession, table: str, ref: str) -> int | None:
 
 def ref_snapshot(spark: SparkSession, table: str, ref: str) -> tuple[int, int] | None:
     """(snapshot id, sequence number) of the snapshot ``ref`` of ``table`` points at now, None
-    if the table has no such ref."""
-    meta = _iceberg_table(table).metadata
+    if there is no such table or the table has no such ref (pyiceberg: no Spark question)."""
+    loaded = iceberg_table(table)
+    if loaded is None:
+        return None
+    meta = loaded.metadata
     found = meta.refs.get(ref)
     if found is None:
         return None
@@ -371,6 +374,17 @@ def _iceberg_table(table: str) -> Table:
     process's settings: always the catalog's current metadata."""
     settings = Settings.from_env()
     return _catalog(settings.catalog).load_table(table.split(".", 1)[1])
+
+
+def iceberg_table(table: str) -> Table | None:
+    """:func:`_iceberg_table`, None if the catalog has no such table: where Spark's
+    ``catalog.tableExists`` would cost a Spark Connect round trip."""
+    from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
+
+    try:
+        return _iceberg_table(table)
+    except (NoSuchTableError, NoSuchNamespaceError):
+        return None
 
 
 @functools.lru_cache(maxsize=4)
