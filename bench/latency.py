@@ -423,6 +423,7 @@ def main() -> None:
     broker = LocalBroker(settings)
     broker.start()
     server = None
+    session = None
     rows: list[dict[str, Any]] = []
     try:
         if args.connect:
@@ -454,7 +455,6 @@ def main() -> None:
             print("  " + ", ".join(f"{k} {v:.1f} s" for k, v in alone.items()), flush=True)
         dagster_home = home / "dagster-home"
         workspace = None
-        session = None
         if args.floor:
             from backfill_assets.stack import spark as spark_mod
 
@@ -539,6 +539,8 @@ def main() -> None:
         if args.floor and rows and "hand" in rows[0]:
             report_floor(rows)
     finally:
+        if session is not None:  # its client threads would keep this process from exiting
+            session.stop()
         if server is not None:
             server.stop()
         broker.stop()
