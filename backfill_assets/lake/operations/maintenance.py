@@ -324,9 +324,7 @@ class _Pass:
             if reason:
                 kept[branch] = reason
                 continue
-            wap.ref_sql(
-                self.spark, self.name, f"ALTER TABLE {self.name} DROP BRANCH IF EXISTS `{branch}`"
-            )
+            wap.drop_branch(self.name, branch)
             dropped.append(branch)
             self.say(f"{self.name}: dropped branch {branch} (run {run_id})")
         self.kept_branches += sorted(kept)

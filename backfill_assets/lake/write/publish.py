@@ -164,9 +164,7 @@ def derived_request(
 
     def rebase(attempt: int) -> tuple[wap.Branch, list[CheckOutcome]]:
         again = build(attempt)
-        wap.ref_sql(
-            session, table, f"ALTER TABLE {table} DROP BRANCH IF EXISTS `{outcome.branch.name}`"
-        )
+        wap.drop_branch(table, outcome.branch.name)
         outcome.branch, outcome.checks, outcome.metadata = (
             again.branch,
             again.checks,

@@ -40,10 +40,11 @@ from backfill_assets.lake.write.wap import (
     SUMMARY_PREFIX,
     Branch,
     committed_by,
+    drop_branch,
+    fast_forward,
     open_branch,
     pending_quarantine,
     ref_snapshot_id,
-    ref_sql,
     ref_summary,
 )
 from backfill_assets.spec.model import TopicSpec
@@ -241,13 +242,8 @@ def publish_quarantine(
     Returns main's new snapshot."""
     table = qbranch.table
     if ref_snapshot_id(spark, table, "main") == qbranch.main_before:
-        catalog = table.split(".", 1)[0]
         with contextlib.suppress(Exception):  # main moved meanwhile: copy instead
-            ref_sql(
-                spark,
-                table,
-                f"CALL {catalog}.system.fast_forward('{table}', 'main', '{qbranch.name}')",
-            )
+            fast_forward(table, qbranch.name, qbranch.main_before)
             return _published_quarantine(spark, qbranch)
     rows = spark.table(qbranch.ident).where(hours_filter(*window))
     writer = rows.writeTo(table)
@@ -304,7 +300,7 @@ def finish_quarantine(spark: SparkSession, iceberg: CatalogClient, spec: TopicSp
 
 
 def _drop(spark: SparkSession, table: str, name: str) -> None:
-    ref_sql(spark, table, f"ALTER TABLE {table} DROP BRANCH IF EXISTS `{name}`")
+    drop_branch(table, name)
 
 
 def reapply(spark: SparkSession, outcome: ReplayOutcome, attempt: int) -> Branch:
@@ -323,5 +319,5 @@ def reapply(spark: SparkSession, outcome: ReplayOutcome, attempt: int) -> Branch
         writer.overwrite(window_filter(outcome.contract))
     finally:
         rows.unpersist()
-    ref_sql(spark, old.table, f"ALTER TABLE {old.table} DROP BRANCH IF EXISTS `{old.name}`")
+    drop_branch(old.table, old.name)
     return branch

@@ -65,12 +65,9 @@ def open_branch(spark: SparkSession, table: str, run_id: str, attempt: int = 0) 
     if main_before is None:
         _empty_commit(table, "main", {SUMMARY_PREFIX + "init": "true"}, only_if_absent=True)
         main_before = ref_snapshot_id(spark, table, "main")
+    assert main_before is not None  # the init commit made one
     name = branch_name(run_id, attempt)
-    ref_sql(
-        spark,
-        table,
-        f"ALTER TABLE {table} CREATE OR REPLACE BRANCH `{name}` AS OF VERSION {main_before}",
-    )
+    set_branch(table, name, main_before)
     failpoint("branch_opened")
     return Branch(table, name, main_before)
 
@@ -94,27 +91,18 @@ def publish(
         _moved(spark, branch, main_now, window)
     _empty_commit(branch.table, branch.name, props)
     failpoint("branch_committed")
-    catalog_name = branch.table.split(".", 1)[0]
     try:
-        # The table argument names its catalog: Iceberg resolves a bare 'namespace.table' by
-        # first trying the namespace as a catalog, which logs CATALOG_NOT_FOUND with a Java
-        # stack trace on every publish.
-        ref_sql(
-            spark,
-            branch.table,
-            f"CALL {catalog_name}.system.fast_forward('{branch.table}', 'main', '{branch.name}')",
-        )
-    except Exception as exc:  # a Spark/Iceberg error: the catalog commit did not happen
+        fast_forward(branch.table, branch.name, main_now)
+    except Exception as exc:  # the catalog commit did not happen
         # Another run may have fast-forwarded main between the check above and this commit
-        # (the catalog refuses a fast-forward from a main that moved): judge that run's window.
-        with contextlib.suppress(Exception):
-            spark.sql(f"REFRESH TABLE {branch.table}")
+        # (the commit's precondition is main at main_now): judge that run's window.
         moved_to = ref_snapshot_id(spark, branch.table, "main")
         if moved_to not in (main_now, branch.main_before):
             _moved(spark, branch, moved_to, window)
         raise PublishError(
             f"could not fast-forward main of {branch.table} to branch {branch.name!r}: "
-            f"{str(exc).splitlines()[0]}. Main is unchanged; re-run the backfill."
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. "
+            "Main is unchanged; re-run the backfill."
         ) from exc
     failpoint("main_fast_forwarded")
     published = ref_snapshot_id(spark, branch.table, "main")
@@ -122,36 +110,59 @@ def publish(
     # Housekeeping must never fail a done publish: a branch left here is a published one, which
     # the next publish on the table drops (drop_published_leftovers).
     with contextlib.suppress(Exception):
-        ref_sql(
-            spark, branch.table, f"ALTER TABLE {branch.table} DROP BRANCH IF EXISTS `{branch.name}`"
-        )
+        drop_branch(branch.table, branch.name)
     with contextlib.suppress(Exception):
         drop_published_leftovers(spark, branch.table)
     return published
 
 
-def ref_sql(spark: SparkSession, table: str, statement: str, attempts: int = 5) -> None:
-    """Run a statement that changes one ref of ``table`` (create, drop, fast-forward): one
-    atomic catalog commit, or nothing. Iceberg refuses a ref change whose table metadata is
-    older than the catalog's ("Table metadata refresh is required": another run committed to
-    the table, e.g. to its own branch, since this session loaded it) and does not retry that
-    itself; this refreshes the table and retries.
+def set_branch(table: str, name: str, snapshot_id: int) -> None:
+    """Point branch ``name`` of ``table`` at ``snapshot_id``, creating it or moving it: one
+    catalog commit through pyiceberg (no Spark request), whose precondition is the branch as
+    loaded. A commit that lost a race with another writer is retried on fresh metadata."""
 
-    ``spark.sql`` runs a command (DDL, ``CALL``) when it is called, in a classic session as
-    over Spark Connect, so nothing is collected: over Connect a ``collect()`` of its result
-    would cost two more round trips (the rows, and a setting the client reads for them)."""
+    def commit(_attempt: int) -> None:
+        _iceberg_table(table).manage_snapshots().create_branch(snapshot_id, name).commit()
 
-    def commit(attempt: int) -> None:
-        if attempt:
-            spark.sql(f"REFRESH TABLE {table}")
-        spark.sql(statement)
+    retry_commit(commit, attempts=10, backoff_s=0.05)
 
-    retry_commit(
-        commit,
-        attempts=attempts,
-        backoff_s=0.1,
-        conflict=lambda exc: "refresh is required" in str(exc),
-    )
+
+def drop_branch(table: str, name: str) -> None:
+    """Remove branch ``name`` of ``table`` if it exists: one catalog commit (pyiceberg), retried
+    on fresh metadata when another writer committed first. Its snapshots that main holds stay."""
+
+    def commit(_attempt: int) -> None:
+        tbl = _iceberg_table(table)
+        if name in tbl.metadata.refs:
+            tbl.manage_snapshots().remove_branch(name).commit()
+
+    retry_commit(commit, attempts=10, backoff_s=0.05)
+
+
+def fast_forward(table: str, branch: str, main_expected: int | None) -> None:
+    """Move main of ``table`` to the head of ``branch``: one catalog commit (pyiceberg) whose
+    precondition is main at ``main_expected``, so it applies only to the main the caller
+    judged. Raises :class:`MainMoved` if main is elsewhere, and :class:`PublishError` if the
+    branch does not descend from main (a fast-forward it would not be); a commit that lost a
+    race with a writer of another ref is retried while main is still ``main_expected``."""
+
+    def commit(_attempt: int) -> None:
+        tbl = _iceberg_table(table)
+        meta = tbl.metadata
+        main = meta.refs.get("main")
+        if (None if main is None else main.snapshot_id) != main_expected:
+            raise MainMoved(f"main of {table} is no longer snapshot {main_expected}")
+        head_ref = meta.refs.get(branch)
+        head = None if head_ref is None else meta.snapshot_by_id(head_ref.snapshot_id)
+        if head is None:
+            raise PublishError(f"{table} has no branch {branch!r} to publish")
+        if main_expected is not None and main_expected not in {
+            s.snapshot_id for s in ancestors_of(head, meta)
+        }:
+            raise PublishError(f"branch {branch!r} of {table} does not descend from main")
+        tbl.manage_snapshots().set_current_snapshot(ref_name=branch).commit()
+
+    retry_commit(commit, attempts=10, backoff_s=0.05)
 
 
 def _moved(
@@ -232,7 +243,7 @@ def drop_published_leftovers(spark: SparkSession, table: str) -> list[str]:
         published = summary[f"{SUMMARY_PREFIX}published"] if summary is not None else None
         own = run_id is not None and name.startswith(branch_name(run_id))
         if own and published == "true" and ref.snapshot_id in on_main:
-            ref_sql(spark, table, f"ALTER TABLE {table} DROP BRANCH IF EXISTS `{name}`")
+            drop_branch(table, name)
             dropped.append(name)
     return dropped
 
