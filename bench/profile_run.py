@@ -100,7 +100,8 @@ class RoundTrips:
         while frame is not None:
             path = frame.f_code.co_filename
             if "backfill_assets/" in path and "/bench/" not in path:
-                if caller is None:
+                # stack/fetch.py is how the project collects: name the function that asked.
+                if caller is None and not path.endswith("stack/fetch.py"):
                     caller = f"{path.split('backfill_assets/')[-1]}:{frame.f_code.co_name}"
                 if path.endswith("defs/assets.py") and frame.f_code.co_name in ASSET_STEPS:
                     asset = ASSET_STEPS[frame.f_code.co_name]

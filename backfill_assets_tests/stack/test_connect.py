@@ -307,24 +307,90 @@ def test_session_settings_cost_one_request_and_an_earlier_callers_do_not_stay(
         session.stop()
 
 
+def _counted_session(url: str) -> tuple[Any, list[str]]:
+    """A Connect client of the session's server (this process stays classic) whose requests
+    are listed as they are sent: ExecutePlan, AnalyzePlan, Config."""
+    from pyspark.sql.connect.session import SparkSession as RemoteSession
+
+    from backfill_assets.stack import spark
+
+    session = spark.remote_builder(RemoteSession.builder, url, TOKEN).create()
+    session.conf.set("spark.sql.session.timeZone", "UTC")  # as connect_session gives it
+    sent: list[str] = []
+    client = session.client
+    for attr, name in (
+        ("_execute_and_fetch", "ExecutePlan"),
+        ("_analyze", "AnalyzePlan"),
+        ("config", "Config"),
+    ):
+        real = getattr(client, attr)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            sent.append(_name)
+            return _real(*args, **kwargs)
+
+        setattr(client, attr, counted)
+    return session, sent
+
+
+_TYPED = """SELECT * FROM VALUES
+  (1, 'a', CAST(1.5 AS DOUBLE), CAST(12.34 AS DECIMAL(10, 2)), true,
+   TIMESTAMP'2026-05-01 23:30:00', DATE'2026-05-01', named_struct('x', 1), array(1, 2)),
+  (CAST(NULL AS INT), CAST(NULL AS STRING), CAST(NULL AS DOUBLE), CAST(NULL AS DECIMAL(10, 2)),
+   CAST(NULL AS BOOLEAN), CAST(NULL AS TIMESTAMP), CAST(NULL AS DATE),
+   CAST(NULL AS STRUCT<x: INT>), CAST(NULL AS ARRAY<INT>))
+  AS t(i, s, d, m, b, ts, dt, st, ar)"""
+
+
+def test_fetch_converts_as_pyspark_does_in_one_request(connect_server: Server) -> None:
+    """stack/fetch.py over Connect: the same pandas frame as ``toPandas`` (dtypes and values,
+    timestamps, decimals, structs, arrays, NULLs, no rows), the same rows as ``collect``, and
+    Arrow as ``toArrow``, each in one ExecutePlan and nothing else; ``toPandas`` and
+    ``collect`` cost a Config request more, ``toArrow`` an AnalyzePlan."""
+    import pandas as pd
+
+    from backfill_assets.stack import fetch
+
+    session, sent = _counted_session(connect_server.url)
+    try:
+        typed = session.sql(_TYPED)
+        for frame in (typed, typed.where("i > 5")):
+            expected = frame.toPandas()
+            assert sent.count("Config") >= 1
+            sent.clear()
+            pd.testing.assert_frame_equal(fetch.to_pandas(frame), expected)
+            assert sent == ["ExecutePlan"]
+            sent.clear()
+        expected_rows = typed.collect()
+        assert "Config" in sent
+        sent.clear()
+        assert fetch.rows(typed) == expected_rows
+        assert [r.asDict() for r in fetch.rows(typed)] == [r.asDict() for r in expected_rows]
+        assert fetch.arrow(typed).equals(typed.toArrow())
+        assert sent == ["ExecutePlan", "ExecutePlan", "ExecutePlan", "AnalyzePlan", "ExecutePlan"]
+    finally:
+        session.stop()
+
+
 # slow tier (CI runs it): ~20-30 s, most of it the child's imports and the server's first jobs.
 @pytest.mark.slow
-def test_a_current_state_run_costs_thirteen_round_trips(
+def test_a_current_state_run_costs_eight_round_trips(
     connect_server: Server, iceberg_catalog: Catalog
 ) -> None:
     """The current state's ``build_current`` over Spark Connect, for an hour of a small raw
-    table whose current-state table exists: 13 requests (9 ExecutePlan, 4 Config), no schema
-    question (AnalyzePlan). A child process counts them with a gRPC interceptor on its client's
-    channel (as in the slow tests, this process stays classic). The hour's checks pass."""
+    table whose current-state table exists: 8 requests, all ExecutePlan: no schema question
+    (AnalyzePlan), no setting read (Config), no branch statement (pyiceberg commits those). A
+    child process counts them with a gRPC interceptor on its client's channel (as in the slow
+    tests, this process stays classic). The hour's checks pass."""
     out = _child(connect_server.url, f"orders_{uuid.uuid4().hex[:8]}", script=CHILD_CURRENT)
 
     assert out["checks"] == {"uniqueness": True, "source_applied": True, "schema_contract": True}
     assert out["touched"] == out["expected_touched"] > 0
-    # What the 13 are: the source's 4 checkpoints and its winners' hours (collect: 2), the
-    # branch, the MERGE, the figures (collect: 2), the contract check's pandas (3).
+    # What the 8 are: the source's 4 checkpoints and its winners' hours, the MERGE, the
+    # figures, the contract check's rows (stack/fetch.py: the rows only, no setting read).
     # (Checkpointed frames released by the garbage collector are sent apart, and not counted.)
     sent = {k: n for k, n in out["sent"].items() if k != "release"}
-    assert sent == {"ExecutePlan": 9, "Config": 4}, out["sent"]
+    assert sent == {"ExecutePlan": 8}, out["sent"]
 
 
 # slow tier (CI runs it): ~55 s; the cluster tier runs test_exactness over Connect as well.

@@ -28,6 +28,7 @@ from backfill_assets.lake.write.schema_contract import (
     violations,
 )
 from backfill_assets.spec.model import ColumnSpec, TopicSpec
+from backfill_assets.stack import fetch
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -266,7 +267,7 @@ def _figures_here(both: DataFrame) -> dict[str, Any] | None:
     """:func:`table_figures` from one read of ``both`` into this process (Arrow); None if it
     holds more than :data:`FIGURES_DRIVER_ROWS` rows after all. Python's integers keep every
     sum exact. The grouping follows Spark's: MIN skips NULLs, a NULL key is a key."""
-    table = both.limit(FIGURES_DRIVER_ROWS + 1).toArrow()
+    table = fetch.arrow(both.limit(FIGURES_DRIVER_ROWS + 1))
     if table.num_rows > FIGURES_DRIVER_ROWS:
         return None
     cols = table.to_pydict()
@@ -382,7 +383,7 @@ def _figures_in_spark(both: DataFrame, counters: dict[str, Column] | None = None
             *[F.sum(c).alias(c) for c in sums],
             F.sum(F.col("n") - 1).alias("repeated"),
         )
-    collected = groups.collect()
+    collected = fetch.rows(groups)
     figures = _summarise(
         (
             r["h"],

@@ -46,6 +46,7 @@ from backfill_assets.lake.write.tables import add_columns, has_columns
 from backfill_assets.lake.write.wap import Branch, iceberg_table, open_branch, ref_snapshot
 from backfill_assets.spec import declared
 from backfill_assets.spec.model import EVENT_META_COLUMNS, SPARK_TYPES, TableSpec, TopicSpec
+from backfill_assets.stack import fetch
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -91,8 +92,8 @@ class DerivedOutcome:
 def rows_per_hour(frame: DataFrame, column: str, start: datetime, end: datetime) -> dict[str, int]:
     """Rows of ``frame`` per hour of timestamp ``column`` in ``[start, end)``, keyed by the
     hour's ISO-8601 UTC start (collected as epoch millis: never a local-zone datetime)."""
-    rows = _hour_counts(frame, column, start, end).collect()
-    return {_hour_key(r["h"]): int(r["count"]) for r in rows}
+    counts = fetch.rows(_hour_counts(frame, column, start, end))
+    return {_hour_key(r["h"]): int(r["count"]) for r in counts}
 
 
 def _hour_counts(frame: DataFrame, column: str, start: datetime, end: datetime) -> DataFrame:
@@ -132,7 +133,7 @@ def _hours_of(frame: DataFrame) -> Column:
     datetime)."""
     from pyspark.sql import functions as F
 
-    hours = frame.select(F.unix_millis("kafka_hour").alias("h")).distinct().collect()
+    hours = fetch.rows(frame.select(F.unix_millis("kafka_hour").alias("h")).distinct())
     return F.col("kafka_hour").isin(
         [_ts(datetime.fromtimestamp(row["h"] / 1000, UTC)) for row in hours]
     )
@@ -216,7 +217,7 @@ def other_version_hours(
     others = _among(rows, mine.select(key).distinct(), key).select(
         key, F.date_trunc("hour", event).alias("_e"), "kafka_partition", "kafka_offset"
     )
-    pairs = (
+    pairs = fetch.rows(
         mine.join(others, key)
         .where(
             (F.col("_e") != F.col("_own"))
@@ -224,7 +225,6 @@ def other_version_hours(
         )
         .select(F.unix_millis("_k").alias("k"), F.unix_millis("_e").alias("e"))
         .distinct()
-        .collect()
     )
     out: dict[datetime, set[datetime]] = {}
     for row in pairs:
@@ -1021,7 +1021,7 @@ def current_figures(
         union = union.unionByName(other)
     found: dict[str, tuple[int, int]] = {}
     per_hour: dict[str, dict[str, int]] = {}
-    for row in union.collect():
+    for row in fetch.rows(union):
         if row["f"] in ("raw_records", "rows"):
             per_hour.setdefault(_hour_key(row["h"]), {})[row["f"]] = int(row["a"])
         else:

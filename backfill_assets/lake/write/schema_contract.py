@@ -77,10 +77,11 @@ def _to_pandas(events: DataFrame) -> pd.DataFrame:
     Connect client always converts through Arrow (and ignores the setting), so only a classic
     session has it switched on, for this call only: over Connect that would cost three round
     trips (read, set and restore the setting)."""
+    from backfill_assets.stack import fetch
     from backfill_assets.stack.spark import is_connect
 
     if is_connect(events.sparkSession):
-        return events.toPandas()
+        return fetch.to_pandas(events)
     conf = events.sparkSession.conf
     before = conf.get(_ARROW_TO_PANDAS, None)
     conf.set(_ARROW_TO_PANDAS, "true")

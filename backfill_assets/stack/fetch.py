@@ -1,0 +1,85 @@
+"""A frame's rows brought to the driver in one Spark request.
+
+Over Spark Connect, ``DataFrame.collect`` and ``toPandas`` each ask the server for a session
+setting besides the rows (``collect``: how to return binary; ``toPandas``: whether to free
+columns as it converts, and the time zone of timestamps): two round trips where one would do.
+:func:`rows` and :func:`to_pandas` ask for the rows only, as Arrow batches, and convert them
+here with pyspark's own conversions and the settings the project gives every session (the
+session time zone is UTC, the others are Spark's defaults). A classic session has no round
+trip to save and keeps pyspark's own methods.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from backfill_assets.stack.spark import is_connect
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import pyarrow as pa
+    from pyspark.sql import DataFrame, Row
+    from pyspark.sql.types import StructType
+
+# The session time zone spark_config gives every session, classic or Connect.
+SESSION_TIME_ZONE = "UTC"
+
+
+def arrow(frame: DataFrame) -> pa.Table:
+    """``frame.toArrow()``, without its schema question over Connect (an AnalyzePlan)."""
+    if not is_connect(frame.sparkSession):
+        return frame.toArrow()
+    return _arrow(frame)[0]
+
+
+def rows(frame: DataFrame) -> list[Row]:
+    """``frame.collect()``: the same rows, converted by pyspark's own code."""
+    if not is_connect(frame.sparkSession):
+        return frame.collect()
+    from pyspark.sql.conversion import ArrowTableToRowsConversion
+
+    table, schema = _arrow(frame)
+    # binaryAsBytes: Spark's default, which the project never changes.
+    return ArrowTableToRowsConversion.convert(table, schema, binary_as_bytes=True)
+
+
+def to_pandas(frame: DataFrame) -> pd.DataFrame:
+    """``frame.toPandas()``: the same columns, dtypes and values, in one request over Connect.
+    A classic session converts as its settings say (Arrow or not: the caller's choice)."""
+    if not is_connect(frame.sparkSession):
+        return frame.toPandas()
+    import pandas as pd
+    from pyspark.sql.pandas.types import _create_converter_to_pandas
+
+    table, schema = _arrow(frame)
+    if table.num_rows == 0:  # as pyspark: pyarrow's conversion of no rows can crash (SPARK-51112)
+        pdf = pd.DataFrame(columns=schema.names, index=range(0))
+    else:
+        renamed = table.rename_columns([f"col_{i}" for i in range(table.num_columns)])
+        pdf = renamed.to_pandas(coerce_temporal_nanoseconds=True)
+        pdf.columns = schema.names
+    if not schema.fields:
+        return pdf
+    return pd.concat(
+        [
+            _create_converter_to_pandas(
+                field.dataType,
+                field.nullable,
+                timezone=SESSION_TIME_ZONE,
+                struct_in_pandas="dict",
+                error_on_duplicated_field_names=True,
+            )(series)
+            for (_, series), field in zip(pdf.items(), schema.fields, strict=True)
+        ],
+        axis="columns",
+    )
+
+
+def _arrow(frame: DataFrame) -> tuple[pa.Table, StructType]:
+    """The rows of a Spark Connect frame as Arrow, and their Spark schema as the server sent it
+    with them: one ExecutePlan, no schema question (pyspark's private ``_to_table``, which
+    ``collect`` itself calls; pinned with pyspark 4.1 and covered by stack/test_connect.py)."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    table, schema = frame._to_table()  # type: ignore[operator]
+    return table, schema or from_arrow_schema(table.schema, prefer_timestamp_ntz=True)
