@@ -1,4 +1,5 @@
-"""A frame's rows brought to the driver in one Spark request.
+"""A frame's rows brought to the driver, or the driver's rows made a frame, without the
+session-setting questions pyspark's Spark Connect client adds.
 
 Over Spark Connect, ``DataFrame.collect`` and ``toPandas`` each ask the server for a session
 setting besides the rows (``collect``: how to return binary; ``toPandas``: whether to free
@@ -7,6 +8,11 @@ columns as it converts, and the time zone of timestamps): two round trips where 
 here with pyspark's own conversions and the settings the project gives every session (the
 session time zone is UTC, the others are Spark's defaults). A classic session has no round
 trip to save and keeps pyspark's own methods.
+
+:func:`local_frame` is ``createDataFrame`` of an Arrow table with its schema: over Connect,
+pyspark asks for twelve settings first (one Config round trip) before it sends the rows inside
+the plan; this sends them inside the plan directly, as pyspark does for tables under the
+server's cache threshold (larger ones take pyspark's path, which uploads them).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from backfill_assets.stack.spark import is_connect
 if TYPE_CHECKING:
     import pandas as pd
     import pyarrow as pa
-    from pyspark.sql import DataFrame, Row
+    from pyspark.sql import DataFrame, Row, SparkSession
     from pyspark.sql.types import StructType
 
 # The session time zone spark_config gives every session, classic or Connect.
@@ -73,6 +79,25 @@ def to_pandas(frame: DataFrame) -> pd.DataFrame:
         ],
         axis="columns",
     )
+
+
+# Below spark.sql.session.localRelationCacheThreshold's default (64 MiB): pyspark inlines such
+# a table in the plan, as local_frame does.
+INLINE_BYTES = 16 << 20
+
+
+def local_frame(spark: SparkSession, table: pa.Table, schema: StructType) -> DataFrame:
+    """``spark.createDataFrame(table, schema)`` for a table of plain values (no timestamps:
+    their zone would be the session's)."""
+    if not is_connect(spark) or table.nbytes >= INLINE_BYTES:
+        return spark.createDataFrame(table.to_pylist(), schema)
+    from pyspark.sql.connect.dataframe import DataFrame as RemoteFrame
+    from pyspark.sql.connect.plan import LocalRelation
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    # The Arrow fields as the schema declares them (a non-nullable one is refused otherwise).
+    typed = table.rename_columns(schema.names).cast(to_arrow_schema(schema))
+    return RemoteFrame(LocalRelation(typed, schema=schema.json()), spark)  # type: ignore[arg-type]
 
 
 def _arrow(frame: DataFrame) -> tuple[pa.Table, StructType]:

@@ -346,8 +346,11 @@ def test_fetch_converts_as_pyspark_does_in_one_request(connect_server: Server) -
     """stack/fetch.py over Connect: the same pandas frame as ``toPandas`` (dtypes and values,
     timestamps, decimals, structs, arrays, NULLs, no rows), the same rows as ``collect``, and
     Arrow as ``toArrow``, each in one ExecutePlan and nothing else; ``toPandas`` and
-    ``collect`` cost a Config request more, ``toArrow`` an AnalyzePlan."""
+    ``collect`` cost a Config request more, ``toArrow`` an AnalyzePlan. ``local_frame`` is
+    ``createDataFrame`` of an Arrow table without a request until the frame is used."""
     import pandas as pd
+    import pyarrow as pa
+    from pyspark.sql.types import LongType, StructField, StructType
 
     from backfill_assets.stack import fetch
 
@@ -368,6 +371,13 @@ def test_fetch_converts_as_pyspark_does_in_one_request(connect_server: Server) -
         assert [r.asDict() for r in fetch.rows(typed)] == [r.asDict() for r in expected_rows]
         assert fetch.arrow(typed).equals(typed.toArrow())
         assert sent == ["ExecutePlan", "ExecutePlan", "ExecutePlan", "AnalyzePlan", "ExecutePlan"]
+        schema = StructType([StructField("p", LongType(), False), StructField("o", LongType())])
+        cells = pa.table({"p": pa.array([0, 1], pa.int64()), "o": pa.array([7, None], pa.int64())})
+        sent.clear()
+        local = fetch.local_frame(session, cells, schema)
+        assert sent == []  # createDataFrame reads twelve settings first
+        assert fetch.rows(local) == session.createDataFrame([(0, 7), (1, None)], schema).collect()
+        assert local.schema == schema
     finally:
         session.stop()
 

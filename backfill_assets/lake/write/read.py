@@ -147,17 +147,23 @@ def record_hash_expr() -> Column:
 def attribute(spark: SparkSession, source: DataFrame, contract: OffsetContract) -> DataFrame:
     """Tag every record with the hour whose offset range holds it (``kafka_hour``) and with
     its ``record_hash``. A record outside every range gets a NULL hour (the checks count it)."""
+    import pyarrow as pa
     from pyspark.sql import functions as F
     from pyspark.sql.types import LongType, StructField, StructType
 
     from backfill_assets.lake.offsets.windows import as_spark_rows
+    from backfill_assets.stack import fetch
 
     if contract.windows is None:
         raise ReplayError("attribute() needs a contract made by offset_contract()")
     schema = StructType(
         [StructField(n, LongType(), False) for n in ("w_partition", "w_start", "w_end", "w_ms")]
     )
-    cells = spark.createDataFrame(list(as_spark_rows(contract.windows)), schema)
+    columns = list(zip(*as_spark_rows(contract.windows), strict=True)) or [(), (), (), ()]
+    arrays = {
+        name: pa.array(col, pa.int64()) for name, col in zip(schema.names, columns, strict=True)
+    }
+    cells = fetch.local_frame(spark, pa.table(arrays), schema)
     joined = source.join(
         F.broadcast(cells),
         (F.col("partition") == F.col("w_partition"))
