@@ -476,7 +476,9 @@ def action_timer() -> Iterator[dict[str, list[float]]]:
     from pyspark.sql import DataFrameWriterV2
     from pyspark.sql.classic.dataframe import DataFrame  # the class sessions hand out
 
-    from backfill_assets.lake.write import checks, replay, wap
+    from backfill_assets.lake.offsets import contract
+    from backfill_assets.lake.write import checks, wap
+    from backfill_assets.stack import fetch
 
     timings: dict[str, list[float]] = defaultdict(list)
     depth = [0]
@@ -512,7 +514,9 @@ def action_timer() -> Iterator[dict[str, list[float]]]:
     wrap(DataFrameWriterV2, "overwrite")
     wrap(ConnectWriterV2, "overwrite")
     wrap(checks, "run_checks", PHASE_CHECKS)
-    wrap(replay, "scan", PHASE_SCAN)
+    for name in ("rows", "arrow", "to_pandas"):  # how the project collects (stack/fetch.py)
+        wrap(fetch, name)
+    wrap(contract, "scan", PHASE_SCAN)  # the offset scan, as contract.py calls it
     wrap(wap, "publish", PHASE_PUBLISH)
     try:
         yield timings
