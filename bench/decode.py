@@ -89,7 +89,7 @@ def main() -> None:
         sampled = scan._Decoding(decode, k, 0)  # a "large" window: only the sample
         timed(
             f"the scan's count and decode, 1 in {k}",
-            lambda p, o, key, v, d=sampled: d.add(cell, p, o, key, v, cell.add(o, key, v, p)),
+            lambda p, o, key, v, d=sampled: d.add(cell, 0, p, o, key, v, cell.add(o, key, v, p)),
         )
     print(f"  decode / byte hash: {whole / base:.1f}x; load average {os.getloadavg()[0]:.1f}")
 

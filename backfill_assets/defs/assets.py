@@ -365,18 +365,22 @@ def _replay_raw(
         end=window.end,
     )
     session = spark.spark_session
-    outcome = replay.replay_to_branch(
-        session,
-        contract,
-        settings=client.settings,
-        iceberg=tables,
-        spec=spec,
-        run_id=context.run.run_id,
-        began=began,
-    )
-    # Only an operator's run carries the tag (CLI --accept-fewer-records); sensors never do.
-    outcome.accept_fewer_records = accepts_fewer_records(context.run.tags)
-    results = checks.run_checks(session, spec, outcome)
+    try:
+        outcome = replay.replay_to_branch(
+            session,
+            contract,
+            settings=client.settings,
+            iceberg=tables,
+            spec=spec,
+            run_id=context.run.run_id,
+            began=began,
+        )
+        # Only an operator's run carries the tag (CLI --accept-fewer-records); sensors never do.
+        outcome.accept_fewer_records = accepts_fewer_records(context.run.tags)
+        results = checks.run_checks(session, spec, outcome)
+    finally:
+        if contract.windows is not None:
+            contract.windows.cancel_decode()  # a failed run's decode stops reading
     request = publish.raw_request(session, spec, outcome, results)
     snapshot, total_rows, evaluations = yield from _audit_and_publish(
         context, iceberg, session, request, {"started_at": started}

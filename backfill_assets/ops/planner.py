@@ -212,6 +212,7 @@ def make_plan(
             spec=spec,
             start=start,
             end=end,
+            decode=False,
         )
     except (WindowError, WindowNotSealed) as err:
         missing_ranges = err.missing if isinstance(err, WindowError) else {}

@@ -158,8 +158,10 @@ def test_an_integer_reads_as_the_same_number_as_a_decimal(number: str, spark_typ
 def test_whole_or_sampled_is_decided_per_hour_and_each_run_draws_its_sample() -> None:
     """Issue 51 item 7: an hour of at most the threshold is decoded whole in a run that also
     holds a larger hour (before, the run's total made every hour of it sampled), the larger
-    hour keeps only its sample, and another residue compares other records."""
-    from backfill_assets.lake.offsets.scan import _Decoding
+    hour keeps only its sample, and another residue compares other records. The decision is
+    made from the scan's counts before the decode's pass reads anything, so nothing beyond
+    the sample is decoded."""
+    from backfill_assets.lake.offsets.decode_pass import Decoding, content_sample
     from backfill_assets.lake.offsets.windows import Cell, Windows, _ms
 
     def decode(p: int, o: int, key: bytes | None, value: bytes | None) -> tuple[str, Any]:
@@ -169,24 +171,31 @@ def test_whole_or_sampled_is_decided_per_hour_and_each_run_draws_its_sample() ->
     bounds = [t0, t0 + timedelta(hours=1), t0 + timedelta(hours=2)]
     small = [(p, o) for p in range(3) for o in range(10)]  # hour 0: 30 records
     large = [(p, o) for p in range(3) for o in range(100, 140)]  # hour 1: 120 records
+    scanned = {bounds[i]: {p: Cell(0, 0) for p in range(3)} for i in (0, 1)}
+    for i, records in enumerate((small, large)):
+        for p, o in records:
+            scanned[bounds[i]][p].add(o, None, b"{}", p)
+    windows = Windows("t", bounds[0], bounds[2], scanned)
     picks = []
     for residue in (0, 1):
-        decoding = _Decoding(decode, 4, 30, residue)
+        sample = content_sample(windows, 4, 30, residue, frozenset())
+        assert sample == content.Sample(4, residue, frozenset({_ms(bounds[1])}))
+        decoding = Decoding(decode, sample)
         cells = {bounds[i]: {p: Cell(0, 0) for p in range(3)} for i in (0, 1)}
         for i, records in enumerate((small, large)):
+            sampled = _ms(bounds[i]) in sample.hours
             for p, o in records:
-                decoding.add(cells[bounds[i]][p], i, p, o, None, b"{}")
-        sample = decoding.finish(Windows("t", bounds[0], bounds[2], cells), bounds)
-        assert sample == content.Sample(4, residue, frozenset({_ms(bounds[1])}))
+                decoding.add(cells[bounds[i]][p], sampled, p, o, None, b"{}")
         assert sum(c.decoded_rows for c in cells[bounds[0]].values()) == len(small)
         picked = [r for r in large if content.in_sample(*r, 4, residue=residue)]
         assert sum(c.decoded_rows for c in cells[bounds[1]].values()) == len(picked)
         assert 0 < len(picked) < len(large) / 2
-        assert all(c.rest_rows == 0 for row in cells.values() for c in row.values())
+        # Every record is counted and hashed again; only the compared ones are decoded.
+        assert sum(c.records for row in cells.values() for c in row.values()) == 150
+        assert decoding.decoded == len(small) + len(picked)
         picks.append(set(picked))
-        # The records decoded beyond the sample are bounded by the threshold.
-        assert decoding.decoded <= len(small) + 30 + len(picked)
     assert picks[0].isdisjoint(picks[1])
+    assert content_sample(windows, 4, 120, 0, frozenset()) == content.Sample()
     assert content.miss_bound(16, 100) == pytest.approx(0.0016, abs=1e-4)
 
 

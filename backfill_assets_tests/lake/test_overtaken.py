@@ -23,6 +23,9 @@ from backfill_assets.defs.definitions import SPECS
 from backfill_assets.demo.generator import GeneratorConfig, GroundTruth, generate
 from backfill_assets.errors import KafkaClientError, WindowError
 from backfill_assets.lake.coverage import detect
+from backfill_assets.lake.decode.content import RecordDecoder
+from backfill_assets.lake.offsets.contract import offset_contract
+from backfill_assets.lake.offsets.decode_pass import DecodePass, content_sample
 from backfill_assets.lake.offsets.scan import scan
 from backfill_assets.spec.declared import renamed
 from backfill_assets.stack import catalog
@@ -95,6 +98,55 @@ def test_a_scan_overtaken_by_retention_fails_naming_the_offsets(
     message = str(caught.value)
     assert f"topic {topic!r}" in message and "partition 0" in message
     assert f"[0, {cut})" in message
+
+
+def test_a_decode_overtaken_by_retention_fails_and_sets_no_figure(
+    stack_settings: Settings,
+) -> None:
+    """The independent decode reads the window again in a thread while Spark writes. Records
+    deleted just before it fetches fail it by name when the checks wait for it, and no decoded
+    figure is set: the content check cannot pass on a partial decode."""
+    topic, truth = _topic(stack_settings)
+    cut = _middle_of_first_hour(truth)
+    kafka = _Overtaking(stack_settings, topic, {0: cut}, "content-decode")
+    spec = renamed(SPECS[0], topic=topic)
+    contract = offset_contract(
+        kafka, topic, START, START + timedelta(hours=2), decode=RecordDecoder(spec)
+    )
+    windows = contract.windows
+    assert windows is not None and windows.records > 0
+    with pytest.raises(WindowError) as caught:
+        windows.wait_decode()
+    assert kafka.fired
+    assert caught.value.missing == {0: (0, cut)}
+    assert f"[0, {cut})" in str(caught.value)
+    assert not windows.decoded
+    assert all(c.decoded_rows == 0 for row in windows.cells.values() for c in row.values())
+    with pytest.raises(WindowError):  # every later reader of the figures is refused too
+        windows.hour_figures()
+
+
+def test_a_second_read_that_is_not_the_scans_fails_naming_the_cell(
+    stack_settings: Settings,
+) -> None:
+    """The decode's read must hold exactly the records the scan counted: a cell whose count or
+    hash differs (here the scan's figure is altered, as a log rewritten between the reads
+    would make it) fails naming the topic, partition, hour and offsets."""
+    topic, _truth = _topic(stack_settings, hours=2)
+    spec = renamed(SPECS[0], topic=topic)
+    kafka = KafkaClient(stack_settings)
+    windows = scan(kafka, topic, START, START + timedelta(hours=2))
+    cell = windows.cells[START + timedelta(hours=1)][1]
+    assert cell.records > 0
+    cell.hash_sum += 1
+    sample = content_sample(windows, 16, 50_000, 0, frozenset())
+    DecodePass(kafka, windows, RecordDecoder(spec), sample).start()
+    with pytest.raises(WindowError) as caught:
+        windows.wait_decode()
+    hour = (START + timedelta(hours=1)).isoformat()
+    assert f"partition 1 hour {hour}: offsets [{cell.start}, {cell.end})" in str(caught.value)
+    assert caught.value.missing == {1: (cell.start, cell.end)}
+    assert not windows.decoded
 
 
 def test_a_gap_reader_overtaken_by_retention_fails_naming_the_partition(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from backfill_assets.lake.decode.content import RecordDecoder
 from backfill_assets.lake.offsets import identity, ledger
 from backfill_assets.lake.offsets.archive import Archive
+from backfill_assets.lake.offsets.decode_pass import DecodePass, content_sample
 from backfill_assets.lake.offsets.scan import scan
 from backfill_assets.lake.offsets.windows import Decode, Windows
 
@@ -107,24 +108,21 @@ def offset_contract(
     the records of an hour of up to ``decode_whole_up_to`` records, else 1 in ``decode_sample``
     (those whose position hash is ``decode_residue`` modulo it).
 
+    The decode runs in a thread after the scan (:class:`DecodePass`), while the caller goes on
+    to Spark; ``windows.wait_decode`` waits for it (``hour_figures`` does).
+
     Offsets below a partition's log start offset come from the archive. Raises
     :class:`~backfill_assets.errors.WindowNotSealed` or
     :class:`~backfill_assets.errors.WindowError` rather than guess.
     """
     windows = scan(
-        kafka,
-        topic,
-        start,
-        end,
-        published=published,
-        archive=archive,
-        seal_grace=seal_grace,
-        decode=decode,
-        decode_sample=decode_sample,
-        decode_whole_up_to=decode_whole_up_to,
-        decode_residue=decode_residue,
-        decode_accepted=decode_accepted,
+        kafka, topic, start, end, published=published, archive=archive, seal_grace=seal_grace
     )
+    if decode is not None:
+        sample = content_sample(
+            windows, decode_sample, decode_whole_up_to, decode_residue, decode_accepted
+        )
+        DecodePass(kafka, windows, decode, sample, archive).start()
     return OffsetContract(topic, start, end, windows.ranges, windows.kafka_start, windows)
 
 
@@ -150,9 +148,11 @@ def window_contract(
     spec: TopicSpec,
     start: datetime,
     end: datetime,
+    decode: bool = True,
 ) -> OffsetContract:
     """Step 1: the window's exact offsets, chained on the raw table's ledger. Needs no Spark,
-    so a run does it while its Spark session starts. Raises
+    so a run does it while its Spark session starts. With ``decode`` the independent decode
+    of the window's records starts in a thread (a plan needs none). Raises
     :class:`~backfill_assets.errors.TopicReplaced` before computing anything when
     Kafka's log of the topic is not the ledger's."""
     cat, raw_name = iceberg.catalog(), iceberg.spark_name(spec.raw_table)
@@ -169,7 +169,9 @@ def window_contract(
         archive=Archive(settings, {spec.topic: read}),
         published=published,
         seal_grace=timedelta(seconds=settings.seal_grace_s),
-        decode=RecordDecoder(spec, settings.schema_registry_url, settings.schema_registry_auth),
+        decode=RecordDecoder(spec, settings.schema_registry_url, settings.schema_registry_auth)
+        if decode
+        else None,
         decode_sample=settings.content_sample,
         decode_whole_up_to=settings.content_sample_above,
         # Drawn per run, so a re-run of a large hour compares other records than the last run.

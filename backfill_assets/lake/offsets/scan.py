@@ -5,7 +5,8 @@
 partition, the committed records, their bytes and an order-independent hash of every record's
 partition, offset, key and value bytes. Those figures come from Kafka, not from Spark's read,
 so the checks can compare the table with them. Offsets below Kafka's log start offset are read
-from the archive the same way.
+from the archive the same way. The independent decode of the same records reads them again,
+while Spark writes (:mod:`backfill_assets.lake.offsets.decode_pass`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,9 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
 from backfill_assets.errors import WindowError, WindowNotSealed
-from backfill_assets.lake.decode.content import Sample, in_sample
 from backfill_assets.lake.offsets.windows import (
     HOUR,
     Cell,
-    Decode,
     Windows,
     _ms,
     check_chain,
@@ -52,7 +51,6 @@ class _Cursor:
     index: int = -1  # the hour being filled; -1 before the first boundary
     position: int = 0  # next offset to read
     bounds_ms: list[int] = field(default_factory=list)  # bounds as epoch millis
-    decoding: _Decoding | None = None
     # cells[i]: hour i's figures in this partition (None until a record of it is fed)
     cells: list[Cell | None] = field(default_factory=list)
 
@@ -126,70 +124,11 @@ class _Cursor:
                 start = self.bound(self.index)
                 assert start is not None
                 cell = cells[self.index] = Cell(start, start)
-            position = cell.add(offset, key, value, self.partition)
-            if self.decoding is not None:
-                self.decoding.add(cell, self.index, self.partition, offset, key, value, position)
+            cell.add(offset, key, value, self.partition)
         end = fixed.get(last)
         if end is None:
             end = found.get(last)
         return end is not None and self.position >= end
-
-
-@dataclass
-class _Decoding:
-    """The independent decode of a scan's records, whole or sampled per Kafka hour: every
-    record of an hour of at most ``whole_up_to`` records, else those
-    :func:`backfill_assets.lake.decode.content.in_sample` picks for ``sample`` and ``residue``.
-    A record outside the sample is decoded into its cell's second sum while its hour has at
-    most ``whole_up_to`` records; :meth:`finish` adds those sums in for the hours that stayed
-    small and drops them for the others (no record is buffered)."""
-
-    decode: Decode
-    sample: int
-    whole_up_to: int
-    residue: int = 0
-    accepted: frozenset[tuple[int, int]] = frozenset()  # records left out (operator's accept)
-    seconds: float = 0.0
-    decoded: int = 0
-    hour_records: dict[int, int] = field(default_factory=dict)  # hour index -> records seen
-    sampled: set[int] = field(default_factory=set)  # hours past whole_up_to
-
-    def add(
-        self,
-        cell: Cell,
-        hour: int,
-        partition: int,
-        offset: int,
-        key: bytes | None,
-        value: bytes | None,
-        position: int | None = None,
-    ) -> None:
-        seen = self.hour_records[hour] = self.hour_records.get(hour, 0) + 1
-        if self.accepted and (partition, offset) in self.accepted:
-            return
-        picked = in_sample(partition, offset, self.sample, position, self.residue)
-        if not picked:
-            if hour in self.sampled:
-                return
-            if seen > self.whole_up_to:
-                self.sampled.add(hour)  # a large hour: only its sample is compared
-                return
-        began = time.perf_counter()
-        decoded = self.decode(partition, offset, key, value)
-        (cell.add_decoded if picked else cell.add_rest)(*decoded)
-        self.seconds += time.perf_counter() - began
-        self.decoded += 1
-
-    def finish(self, windows: Windows, bounds: list[datetime]) -> Sample:
-        """Settle every cell (whole hours count the records outside the sample too); the
-        records the figures cover. ``bounds[i]`` is hour ``i``'s start."""
-        sampled = frozenset(_ms(bounds[i]) for i in self.sampled)
-        for hour, cells in windows.cells.items():
-            for cell in cells.values():
-                cell.settle(_ms(hour) not in sampled)
-        if not sampled:
-            return Sample(accepted=self.accepted)
-        return Sample(self.sample, self.residue, sampled, self.accepted)
 
 
 def scan(
@@ -203,11 +142,6 @@ def scan(
     seal_grace: timedelta = timedelta(minutes=5),
     now: datetime | None = None,
     timeout_s: float = 60.0,
-    decode: Decode | None = None,
-    decode_sample: int = 1,
-    decode_whole_up_to: int = 50_000,
-    decode_residue: int = 0,
-    decode_accepted: frozenset[tuple[int, int]] = frozenset(),
 ) -> Windows:
     """The windows of hours ``[start, end)`` of ``topic`` and Kafka's figures for each.
 
@@ -216,13 +150,6 @@ def scan(
     record of the range once (plus, for a first window, from the broker's ListOffsets hint to
     the first boundary). Raises :class:`WindowNotSealed` or :class:`WindowError` naming the
     partition, hour and offsets, and never returns a guess.
-
-    With ``decode``, the records of the windows are also decoded on the way (the independent
-    decode of :mod:`backfill_assets.lake.decode.content`) and the cells sum what it says: every
-    record of an hour holding at most ``decode_whole_up_to`` records, else the 1 in
-    ``decode_sample`` that :func:`~backfill_assets.lake.decode.content.in_sample` picks for
-    ``decode_residue`` (``Windows.content_sample`` says which), never the records
-    ``decode_accepted`` names.
     """
     now = now or datetime.now(UTC)
     if end > now:
@@ -232,16 +159,9 @@ def scan(
         )
     published = published or {}
     bounds = [*hours_between(start, end), end]
-    decoding = None
-    if decode is not None:
-        decoding = _Decoding(
-            decode, decode_sample, decode_whole_up_to, decode_residue, decode_accepted
-        )
     ends = kafka.log_ends(topic)
     parts = sorted(ends)
-    cursors = {
-        p: _Cursor(p, bounds, fixed_bounds(p, bounds, published), decoding=decoding) for p in parts
-    }
+    cursors = {p: _Cursor(p, bounds, fixed_bounds(p, bounds, published)) for p in parts}
     _start_positions(kafka, topic, start, end, bounds[0], cursors, ends, archive)
     _read_archived(topic, cursors, ends, archive)
     _seal_idle(
@@ -249,12 +169,7 @@ def scan(
     )
     out = _assemble(bounds, cursors)
     check_chain(topic, out, published)
-    windows = Windows(topic, start, end, out, {p: ends[p][0] for p in parts if ends[p][0] > 0})
-    if decoding is not None:
-        windows.content_sample = decoding.finish(windows, bounds)
-        windows.decoded, windows.decode_s = True, decoding.seconds
-        windows.decoded_records = decoding.decoded
-    return windows
+    return Windows(topic, start, end, out, {p: ends[p][0] for p in parts if ends[p][0] > 0})
 
 
 def _start_positions(

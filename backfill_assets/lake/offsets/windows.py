@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from itertools import pairwise
-from typing import Any
+from typing import Any, Protocol
 
 import xxhash
 
@@ -39,6 +40,14 @@ from backfill_assets.lake.decode.content import Sample, partition_seed, position
 from backfill_assets.lake.decode.envelope import WIRE_HEADER
 
 HOUR = timedelta(hours=1)
+
+
+class PendingDecode(Protocol):
+    """A decode of the windows' records still running (lake.offsets.decode_pass)."""
+
+    def join(self) -> None: ...
+
+    def cancel(self) -> None: ...
 
 
 _INT = struct.Struct("<i")
@@ -87,16 +96,11 @@ class Cell:
     hash_sum: int = 0
     first_offset: int | None = None
     last_offset: int | None = None
-    # With a decode (see scan): the rows it expects, the sum of their content hashes, and the
-    # records of a version it has no reference for; ``rest_*`` the same for the records
-    # outside the content sample, decoded while the hour may still be decoded whole (the scan
-    # adds them in when it is, and drops them when the hour proves larger).
+    # With the independent decode (lake.offsets.decode_pass): the rows it expects, the sum of
+    # their content hashes, and the records of a version it has no reference for.
     decoded_rows: int = 0
     decoded_sum: int = 0
     unverified: int = 0
-    rest_rows: int = 0
-    rest_sum: int = 0
-    rest_unverified: int = 0
     # The schema ids of its values in Confluent's wire format (0x00 + a 4-byte big-endian id):
     # the writer schemas an avro topic's parse needs, known without another read of Kafka.
     schema_ids: set[int] = field(default_factory=set)
@@ -128,22 +132,6 @@ class Cell:
         elif kind == "unverified":
             self.unverified += 1
 
-    def add_rest(self, kind: str, detail: Any) -> None:
-        """A decoded record outside the content sample (see ``rest_*``)."""
-        if kind == "row":
-            self.rest_rows += 1
-            self.rest_sum += detail
-        elif kind == "unverified":
-            self.rest_unverified += 1
-
-    def settle(self, whole: bool) -> None:
-        """The hour's decision: with ``whole``, the records outside the sample count too."""
-        if whole:
-            self.decoded_rows += self.rest_rows
-            self.decoded_sum += self.rest_sum
-            self.unverified += self.rest_unverified
-        self.rest_rows = self.rest_sum = self.rest_unverified = 0
-
 
 @dataclass
 class Windows:
@@ -156,13 +144,35 @@ class Windows:
     cells: dict[datetime, dict[int, Cell]]
     # Per partition, Kafka's log start offset: offsets below it were read from the archive.
     kafka_start: dict[int, int] = field(default_factory=dict)
-    # Whether the records were also decoded (scan's ``decode``): the cells' decoded figures.
+    # Whether the records were also decoded (lake.offsets.decode_pass): the cells' decoded
+    # figures. Read them after wait_decode (hour_figures waits).
     decoded: bool = False
-    decode_s: float = 0.0  # seconds the decode took
+    decode_s: float = 0.0  # seconds the decode's pass took (its second read and the decode)
+    decode_wait_s: float = 0.0  # seconds the run waited for it after its writes
     # The records the decode's figures cover (every record of an hour it decoded whole, the
     # sample of the others), and how many records it decoded.
     content_sample: Sample = field(default_factory=Sample)
     decoded_records: int = 0
+    # The decode still running in its thread (None: none, or it finished and was joined).
+    pending: PendingDecode | None = None
+
+    def wait_decode(self) -> None:
+        """Wait for the decode's pass, if one runs; raises what it raised (the decoded
+        figures are then not set)."""
+        pending = self.pending
+        if pending is None:
+            return
+        began = time.monotonic()
+        try:
+            pending.join()
+        finally:
+            self.decode_wait_s += time.monotonic() - began
+        self.pending = None
+
+    def cancel_decode(self) -> None:
+        """Stop the decode's pass (the run failed before its checks)."""
+        if self.pending is not None:
+            self.pending.cancel()
 
     @property
     def hours(self) -> list[datetime]:
@@ -187,6 +197,11 @@ class Windows:
         return sum(e - s for s, e in self.ranges.values())
 
     @property
+    def size(self) -> int:
+        """Bytes of the committed records' keys and values."""
+        return sum(c.size for cells in self.cells.values() for c in cells.values())
+
+    @property
     def schema_ids(self) -> list[int]:
         """Every schema id the windows' values carry in Confluent's wire format."""
         ids = {i for row in self.cells.values() for cell in row.values() for i in cell.schema_ids}
@@ -195,7 +210,9 @@ class Windows:
     def hour_figures(self) -> dict[str, dict[str, int]]:
         """Per hour (ISO, UTC): committed records, bytes and hash sum over all partitions; with
         a decode also the rows it expects (``decoded_rows``), their content hash sum
-        (``decoded_sum``) and the records it could not verify (``unverified``)."""
+        (``decoded_sum``) and the records it could not verify (``unverified``), after waiting
+        for it."""
+        self.wait_decode()
         out = {}
         for hour in self.hours:
             cells = self.cells[hour].values()

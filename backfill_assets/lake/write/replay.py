@@ -215,14 +215,13 @@ def replay_to_branch(
         parsed.unpersist()
         for chunk in chunks:
             chunk.unpersist()
-    kafka_side = contract.windows.hour_figures()
     return ReplayOutcome(
         contract=contract,
         branch=branch,
         run_id=run_id,
         records_read=contract.windows.records,
         quarantine_table=qtable,
-        bytes_read=sum(k["bytes"] for k in kafka_side.values()),
+        bytes_read=contract.windows.size,
         bytes_written=written.get("added-files-size", 0),
         files_written=written.get("added-data-files", 0),
         duration_s=time.monotonic() - began,
