@@ -5,11 +5,10 @@ records: valid, malformed, tombstones, both schema versions) and times
 :class:`backfill_assets.lake.decode.content.RecordDecoder` over them (best of ``--repeat``, in this
 thread's CPU time, which the machine's load inflates less than the wall time also shown), with
 the byte hash of the window scan (:func:`backfill_assets.lake.offsets.windows.record_hash`) as
-baseline,
-the sample predicate (:func:`backfill_assets.lake.decode.content.in_sample`) and the scan's decode
-of
-a large window (1 record in K decoded) per record of the window. No Kafka, no
-Spark. Prints the load average: these machines are shared.
+baseline, the sample predicate (:func:`backfill_assets.lake.decode.content.in_sample`) and the
+decode pass's step (:class:`backfill_assets.lake.offsets.decode_pass.Decoding`) in a large hour
+(1 record in K decoded), per record of the window. No Kafka, no Spark. Prints the load
+average: these machines are shared.
 
 With ``--format avro`` the same records are in Confluent's wire format (``throughput.py``'s
 writer schema, a local schema registry started for the run) and the decode is the Avro one
@@ -50,7 +49,7 @@ def main() -> None:
 
     from backfill_assets.demo.generator import GeneratorConfig, plan_events
     from backfill_assets.lake.decode import content
-    from backfill_assets.lake.offsets import scan, windows
+    from backfill_assets.lake.offsets import decode_pass, windows
     from backfill_assets.spec.loader import load_specs
 
     planned = plan_events(
@@ -86,10 +85,10 @@ def main() -> None:
     whole = timed("RecordDecoder (decode + content hash)", decode)
     timed("in_sample(p, o, 16)", lambda p, o, k, v: content.in_sample(p, o, 16))
     for k in (16, 8):
-        sampled = scan._Decoding(decode, k, 0)  # a "large" window: only the sample
+        sampled = decode_pass.Decoding(decode, content.Sample(k, 0, frozenset({0})))
         timed(
-            f"the scan's count and decode, 1 in {k}",
-            lambda p, o, key, v, d=sampled: d.add(cell, 0, p, o, key, v, cell.add(o, key, v, p)),
+            f"the decode pass's count and decode, 1 in {k}",
+            lambda p, o, key, v, d=sampled: d.add(cell, True, p, o, key, v),
         )
     print(f"  decode / byte hash: {whole / base:.1f}x; load average {os.getloadavg()[0]:.1f}")
 
