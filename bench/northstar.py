@@ -764,6 +764,13 @@ def _parse_args() -> argparse.Namespace:
         "--floor-runs", type=int, default=2, help="--hand-written: runs, the best one counts"
     )
     parser.add_argument("--timeout", type=float, default=7200.0, help="seconds to wait")
+    parser.add_argument(
+        "--connect",
+        action="store_true",
+        help="every run (and with --hand-written the floor's jobs) is a thin client of one warm "
+        "local Spark Connect server started here, as `stack up` starts it; without it each run "
+        "worker starts its own classic local[2] Spark",
+    )
     return parser.parse_args()
 
 
@@ -906,6 +913,20 @@ def record_backfill(
     path.write_text(json.dumps(state, indent=1))
 
 
+def _connect_server() -> Any:
+    """A warm local Spark Connect server on a free port, named in the environment the services
+    and this process read (BACKFILL_SPARK_CONNECT)."""
+    from backfill_assets.stack.connect import LocalConnectServer
+    from backfill_assets.stack.settings import Settings
+
+    os.environ["BACKFILL_SPARK_CONNECT_PORT"] = str(free_port())
+    server = LocalConnectServer(Settings.from_env())
+    began = time.monotonic()
+    print(server.start().describe(), f"(started in {time.monotonic() - began:.1f} s)", flush=True)
+    os.environ["BACKFILL_SPARK_CONNECT"] = server.url
+    return server
+
+
 def main() -> None:
     args = _parse_args()
     warnings.filterwarnings("ignore")  # Dagster's beta notices on import
@@ -925,6 +946,9 @@ def main() -> None:
     end = first + timedelta(days=args.days)
     broker = LocalBroker(settings)
     broker.start()
+    server = _connect_server() if args.connect else None
+    if server is not None:
+        settings = Settings.from_env()
     try:
         floor_runs = None
         if args.hand_written and "records" in state:  # timed before the truth is loaded
@@ -944,6 +968,8 @@ def main() -> None:
         cat = catalog.load(settings.catalog)
         checks = verify(cat, settings.catalog.namespace, spec, history, first, end, declared)
     finally:
+        if server is not None:
+            server.stop()
         broker.stop()
     report_backfill(args, run, checks, history, command)
     record_backfill(state, state_path, run, checks, command)
