@@ -54,10 +54,23 @@ def to_pandas(frame: DataFrame) -> pd.DataFrame:
     A classic session converts as its settings say (Arrow or not: the caller's choice)."""
     if not is_connect(frame.sparkSession):
         return frame.toPandas()
+    return pandas_of(*_arrow(frame))
+
+
+def arrow_and_schema(frame: DataFrame) -> tuple[pa.Table, StructType]:
+    """The rows as Arrow and their Spark schema: one request over Connect (classic: the
+    schema is the frame's own, no request)."""
+    if not is_connect(frame.sparkSession):
+        return frame.toArrow(), frame.schema
+    return _arrow(frame)
+
+
+def pandas_of(table: pa.Table, schema: StructType) -> pd.DataFrame:
+    """Rows read as Arrow (with their Spark ``schema``) as ``toPandas`` with Arrow gives them:
+    pyspark's own conversion per column, timestamps in the session's zone."""
     import pandas as pd
     from pyspark.sql.pandas.types import _create_converter_to_pandas
 
-    table, schema = _arrow(frame)
     if table.num_rows == 0:  # as pyspark: pyarrow's conversion of no rows can crash (SPARK-51112)
         pdf = pd.DataFrame(columns=schema.names, index=range(0))
     else:

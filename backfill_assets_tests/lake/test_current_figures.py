@@ -19,7 +19,7 @@ import pytest
 
 from backfill_assets.defs.definitions import SPECS
 from backfill_assets.errors import ReplayError
-from backfill_assets.lake.write import derived, tables
+from backfill_assets.lake.write import checks, derived, tables
 from backfill_assets.lake.write.wap import Branch
 from backfill_assets.stack.settings import Settings
 
@@ -150,6 +150,40 @@ def test_the_checks_fail_on_planted_faults(spark_session: SparkSession, faults: 
     assert checks["uniqueness"].summary == f"{int(faults)} repeated order_id"
     assert checks["source_applied"].metadata == {"source_keys": 4, "not_applied": 3 * faults}
     assert outcome.metadata == {"source_keys": 4, "rows": len(state)}
+
+
+@pytest.mark.parametrize("known_types", [False, True])
+def test_the_contract_counted_with_the_figures_is_pandera_s_report(
+    spark_session: SparkSession, known_types: bool
+) -> None:
+    """The live rows' contract is counted in the figures' one action (the deleted key's row
+    left out), and its report is the one schema_contract gives reading them on its own: a
+    status outside the allowed ones, a negative amount and a missing event id each fail."""
+    from pyspark.sql import functions as F
+
+    spec = SPECS[0]
+    state = [
+        _state_row("k1", 0, 10),
+        (*_state_row("k2", 1, 20)[:4], "bogus", *_state_row("k2", 1, 20)[5:]),
+        (*_state_row("k3", 1, 30)[:5], -5, *_state_row("k3", 1, 30)[6:]),
+        ("k4", None, *_state_row("k4", 0, 40)[2:]),
+        (*_state_row("k5", 0, 50, deleted=True)[:5], -7, *_state_row("k5", 0, 50)[6:]),
+    ]
+    raw, state_df, source_df = _frames(spark_session, state, [_source_row("k1", 0, 10)])
+    types = {c.name: dict(state_df.dtypes)[c.name] for c in spec.columns} if known_types else None
+    figures = derived.current_figures(
+        "order_id", raw, state_df, source_df, START, END, spec.columns, types
+    )
+    live = state_df.where(~F.col("deleted")).select(*[c.name for c in spec.columns])
+    alone = checks.schema_contract(live, spec.columns).metadata["violations"]
+    assert figures.contract == alone
+    assert len(alone) == 3, alone
+    outcome = derived._current_outcome(spec, state_df, Branch("t", "b", None), figures)
+    (contract,) = [c for c in outcome.checks if c.name == "schema_contract"]
+    assert not contract.passed and contract.metadata["violations"] == alone
+    assert (
+        derived.current_figures("order_id", raw, state_df, source_df, START, END).contract is None
+    )
 
 
 def test_pyiceberg_types_read_as_spark_shows_them(

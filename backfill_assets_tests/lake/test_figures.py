@@ -203,6 +203,17 @@ def test_the_contract_counted_with_the_figures_is_pandera_s_report(
         branch.unionByName(branch.limit(1)), quarantine, spec, contract=True
     )
     assert "contract" not in repeated
+    # A small window reads its rows once into the driver: the figures and the report on the
+    # events of that same read, equal to the above (repeated offsets or not).
+    for rows in (branch, branch.unionByName(branch.limit(1))):
+        here = checks.table_figures(rows, quarantine, spec, at_most=100, contract=True)
+        events = rows.where(~F.col("is_tombstone")).select(*[c.name for c in spec.columns])
+        report = checks.schema_contract(events, spec.contract_columns).metadata["violations"]
+        assert here["contract"] == report
+        assert {k: v for k, v in here.items() if k != "contract"} == checks.table_figures(
+            rows, quarantine, spec, at_most=100
+        )
+    assert here["contract"] == figures["contract"] != {}
 
 
 def test_the_content_sample_is_summed_alike_both_ways(spark_session: SparkSession) -> None:

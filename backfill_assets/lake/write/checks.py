@@ -25,13 +25,16 @@ from backfill_assets.lake.write.schema_contract import (
     contract_failures,
     contract_schema,
     contract_violations,
+    frame_violations,
     violations,
 )
-from backfill_assets.spec.model import ColumnSpec, TopicSpec
+from backfill_assets.spec.model import SPARK_TYPES, ColumnSpec, TopicSpec
 from backfill_assets.stack import fetch
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     from pyspark.sql import Column, DataFrame, SparkSession
+    from pyspark.sql.types import StructType
 
 CHECK_NAMES = (
     "count_reconciliation",
@@ -182,7 +185,9 @@ def table_figures(
     report (what :func:`schema_contract` would say, without reading the branch again);
     otherwise the key is absent and the contract must be checked on its own."""
     if at_most is not None and at_most <= FIGURES_DRIVER_ROWS:
-        here = _figures_here(_figure_inputs(branch, quarantine, spec, None, content_sample))
+        carried = spec.columns if contract else ()
+        both = _figure_inputs(branch, quarantine, spec, None, content_sample, carried)
+        here = _figures_here(both, spec.contract_columns if contract else None)
         if here is not None:
             return here
     counters = None
@@ -200,6 +205,7 @@ def _figure_inputs(
     spec: TopicSpec,
     counters: dict[str, Column] | None = None,
     content_sample: Sample | None = None,
+    carried: tuple[ColumnSpec, ...] = (),
 ) -> DataFrame:
     """One row per branch row and per quarantined record: hour (h), partition, offset, Kafka
     bytes hash, is_row, content hash, reason, event hour (e), and for events (not tombstones)
@@ -207,7 +213,8 @@ def _figure_inputs(
     contract's, see :func:`contract_violations`) also ``_c0``, ``_c1``...: each counter for
     events, 0 for tombstones and quarantined records; with a ``content_sample`` that is not
     whole also ``s_row`` (1 for a row it compares, else 0) and ``s_content`` (its content
-    hash, else NULL)."""
+    hash, else NULL); each column of ``carried`` as ``_e_<name>``: an event's value, NULL for
+    tombstones and quarantined records (what the contract is checked on)."""
     from pyspark.sql import functions as F
 
     event = ~F.col("is_tombstone")
@@ -240,6 +247,7 @@ def _figure_inputs(
             for i, counter in enumerate((counters or {}).values())
         ],
         *sampled,
+        *[F.when(event, F.col(c.name)).alias(f"_e_{c.name}") for c in carried],
     ).unionByName(
         quarantine.select(
             F.unix_millis("kafka_hour").alias("h"),
@@ -254,6 +262,7 @@ def _figure_inputs(
             F.lit(None).cast("bigint").alias("id_content"),
             *[F.lit(0).alias(f"_c{i}") for i in range(len(counters or {}))],
             *unsampled,
+            *[F.lit(None).cast(SPARK_TYPES[c.type]).alias(f"_e_{c.name}") for c in carried],
         )
     )
 
@@ -263,14 +272,20 @@ def _figure_inputs(
 _Group = tuple[int, str | None, int | None, int, int, int, int, int, int, int]
 
 
-def _figures_here(both: DataFrame) -> dict[str, Any] | None:
+def _figures_here(
+    both: DataFrame, contract: tuple[ColumnSpec, ...] | None = None
+) -> dict[str, Any] | None:
     """:func:`table_figures` from one read of ``both`` into this process (Arrow); None if it
     holds more than :data:`FIGURES_DRIVER_ROWS` rows after all. Python's integers keep every
-    sum exact. The grouping follows Spark's: MIN skips NULLs, a NULL key is a key."""
-    table = fetch.arrow(both.limit(FIGURES_DRIVER_ROWS + 1))
+    sum exact. The grouping follows Spark's: MIN skips NULLs, a NULL key is a key. With
+    ``contract`` (``both`` carries the events' columns), ``figures["contract"]`` is pandera's
+    report on the events of the same read."""
+    table, schema = fetch.arrow_and_schema(both.limit(FIGURES_DRIVER_ROWS + 1))
     if table.num_rows > FIGURES_DRIVER_ROWS:
         return None
-    cols = table.to_pydict()
+    carried = [name for name in table.column_names if name.startswith(_CARRIED)]
+    failed = None if contract is None else _contract_here(table, schema, carried, contract)
+    cols = table.drop_columns(carried).to_pydict()
     # Without a content sample every row is in it.
     s_rows, s_contents = cols.get("s_row", cols["is_row"]), cols.get("s_content", cols["content"])
     offsets: dict[tuple[int, int], list[Any]] = {}
@@ -324,7 +339,29 @@ def _figures_here(both: DataFrame) -> dict[str, Any] | None:
     figures = _summarise((*key, *g) for key, g in groups.items())
     figures["resent"] = sum(n - 1 for n, _, _ in ids.values())
     figures["conflicting"] = sum(1 for n, low, high in ids.values() if n > 1 and low != high)
+    if failed is not None:
+        figures["contract"] = failed
     return figures
+
+
+# The prefix of the events' columns _figure_inputs carries for the contract.
+_CARRIED = "_e_"
+
+
+def _contract_here(
+    table: pa.Table, schema: StructType, carried: list[str], columns: tuple[ColumnSpec, ...]
+) -> dict[str, int]:
+    """pandera's report on the events among ``table``'s rows (rows kept, not tombstones: their
+    ``id_content`` is set), from their ``carried`` columns, as :func:`schema_contract` would
+    give it reading them on their own."""
+    import pyarrow.compute as pc
+    from pyspark.sql.types import StructField, StructType
+
+    events = pc.and_(pc.equal(table["is_row"], 1), pc.is_valid(table["id_content"]))
+    names = [name.removeprefix(_CARRIED) for name in carried]
+    fields = [StructField(name, schema[f"{_CARRIED}{name}"].dataType, True) for name in names]
+    rows = table.filter(events).select(carried).rename_columns(names)
+    return frame_violations(fetch.pandas_of(rows, StructType(fields)), columns)
 
 
 def _least(a: Any, b: Any) -> Any:

@@ -35,17 +35,28 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.lake.write import checks
 from backfill_assets.lake.write.checks import CheckOutcome
-from backfill_assets.lake.write.tables import add_columns, has_columns
+from backfill_assets.lake.write.schema_contract import (
+    contract_failures,
+    contract_schema,
+    contract_violations,
+)
+from backfill_assets.lake.write.tables import add_columns, has_columns, spark_type
 from backfill_assets.lake.write.wap import Branch, iceberg_table, open_branch, ref_snapshot
 from backfill_assets.spec import declared
-from backfill_assets.spec.model import EVENT_META_COLUMNS, SPARK_TYPES, TableSpec, TopicSpec
+from backfill_assets.spec.model import (
+    EVENT_META_COLUMNS,
+    SPARK_TYPES,
+    ColumnSpec,
+    TableSpec,
+    TopicSpec,
+)
 from backfill_assets.stack import fetch
 
 if TYPE_CHECKING:
@@ -697,7 +708,8 @@ def build_current(
     _merge_current(spark, branch, source, key, payload)
     clock.lap("merge")
     state = spark.table(branch.ident)
-    figures = current_figures(key, raw, state, source, start, end)
+    types = _column_types(table, spec.columns)
+    figures = current_figures(key, raw, state, source, start, end, spec.columns, types)
     outcome = _current_outcome(spec, state, branch, figures)
     clock.lap("checks")
     outcome.metadata["seconds"] = clock.laps
@@ -983,16 +995,30 @@ class CurrentFigures:
     source_keys: int
     not_applied: int
     per_hour: dict[str, dict[str, int]]
+    # pandera's report on the live rows (``"<column>: <check>"`` -> failures), counted in the
+    # same action; None when it was not (no contract asked, or a check without a translation)
+    contract: dict[str, int] | None = None
 
 
 def current_figures(
-    key: str, raw: DataFrame, state: DataFrame, source: DataFrame, start: datetime, end: datetime
+    key: str,
+    raw: DataFrame,
+    state: DataFrame,
+    source: DataFrame,
+    start: datetime,
+    end: datetime,
+    contract: tuple[ColumnSpec, ...] | None = None,
+    types: Mapping[str, str] | None = None,
 ) -> CurrentFigures:
     """:class:`CurrentFigures` in one Spark action: each figure is the aggregation it would be
     alone (``count``, ``countDistinct``, :func:`_not_applied`, :func:`rows_per_hour`), and one
     collect of their union brings them all (over Spark Connect two round trips, where one
     action per figure cost eight). Every part reads the branch as it stands after the MERGE;
-    nothing writes to it meanwhile."""
+    nothing writes to it meanwhile. With ``contract`` (the state's columns), the live rows'
+    violations of it are counted in the same action (pandera's checks as Spark expressions,
+    :func:`~backfill_assets.lake.write.schema_contract.contract_violations`), when every check
+    has a translation. ``types``: the state columns' Spark types, if known (else Spark is
+    asked)."""
     from pyspark.sql import functions as F
 
     none = F.lit(None).cast("bigint")
@@ -1016,14 +1042,20 @@ def current_figures(
         part(_hour_counts(raw, "kafka_hour", start, end), "raw_records", "count", h="h"),
         part(_hour_counts(state, "kafka_hour", start, end), "rows", "count", h="h"),
     ]
+    counters = _live_counters(state, contract, types)
+    if counters:
+        parts.append(_counter_part(state, counters))
     union = parts[0]
     for other in parts[1:]:
         union = union.unionByName(other)
     found: dict[str, tuple[int, int]] = {}
     per_hour: dict[str, dict[str, int]] = {}
+    sums: dict[str, int] = {}
     for row in fetch.rows(union):
         if row["f"] in ("raw_records", "rows"):
             per_hour.setdefault(_hour_key(row["h"]), {})[row["f"]] = int(row["a"])
+        elif row["f"].startswith(_COUNTER):
+            sums[list(counters or {})[int(row["f"].removeprefix(_COUNTER))]] = int(row["a"] or 0)
         else:
             found[row["f"]] = (int(row["a"]), int(row["b"] or 0))
     return CurrentFigures(
@@ -1032,19 +1064,79 @@ def current_figures(
         source_keys=found["source"][0],
         not_applied=found["not_applied"][0],
         per_hour=per_hour,
+        contract=None if counters is None else contract_failures(sums),
     )
+
+
+def _column_types(table: str, columns: tuple[ColumnSpec, ...]) -> dict[str, str] | None:
+    """The Spark types of ``columns`` in ``table``, from the catalog's metadata (no Spark
+    question); None if one is missing or of a type only Spark can name."""
+    found = iceberg_table(table)
+    if found is None:
+        return None
+    have = {f.name: spark_type(f.field_type) for f in found.schema().fields}
+    types = {c.name: have.get(c.name) for c in columns}
+    if any(t is None for t in types.values()):
+        return None
+    return {name: t for name, t in types.items() if t is not None}
+
+
+# The figure name of contract counter i in current_figures' union.
+_COUNTER = "contract:"
+
+
+def _live_counters(
+    state: DataFrame,
+    contract: tuple[ColumnSpec, ...] | None,
+    types: Mapping[str, str] | None = None,
+) -> dict[str, Column] | None:
+    """The contract's counters over the state's live rows (``types``: their Spark types, when
+    known without asking Spark); None without a contract or a translation."""
+    if contract is None:
+        return None
+    return contract_violations(contract_schema(contract), _live(state, contract), types)
+
+
+def _live(state: DataFrame, columns: tuple[ColumnSpec, ...]) -> DataFrame:
+    """The state rows of keys not deleted, with the state's own columns (what the contract
+    is checked on)."""
+    from pyspark.sql import functions as F
+
+    return state.where(~F.col("deleted")).select(*[c.name for c in columns])
+
+
+def _counter_part(state: DataFrame, counters: dict[str, Column]) -> DataFrame:
+    """The counters' sums over the live rows as current_figures' rows (f, h, a, b): one
+    aggregation, one row per counter."""
+    from pyspark.sql import functions as F
+
+    none = F.lit(None).cast("bigint")
+    sums = state.where(~F.col("deleted")).agg(
+        *[F.sum(c).cast("bigint").alias(f"_v{i}") for i, c in enumerate(counters.values())]
+    )
+    rows = [
+        F.struct(
+            F.lit(f"{_COUNTER}{i}").alias("f"),
+            none.alias("h"),
+            F.col(f"_v{i}").alias("a"),
+            none.alias("b"),
+        )
+        for i in range(len(counters))
+    ]
+    return sums.select(F.explode(F.array(*rows)).alias("_r")).select("_r.*")
 
 
 def _current_outcome(
     spec: TopicSpec, state: DataFrame, branch: Branch, figures: CurrentFigures
 ) -> DerivedOutcome:
     """The checks of a current-state run's branch from its figures, and the contract check."""
-    from pyspark.sql import functions as F
 
     key = spec.current_rule.key
     rows, not_applied, source_keys = figures.rows, figures.not_applied, figures.source_keys
-    live = state.where(~F.col("deleted")).select(*[c.name for c in spec.columns])
-    contract = checks.schema_contract(live, spec.columns, at_most=rows)
+    if figures.contract is not None:
+        contract = checks.contract_outcome(figures.contract, spec.columns)
+    else:
+        contract = checks.schema_contract(_live(state, spec.columns), spec.columns, at_most=rows)
     outcomes = [
         CheckOutcome(
             "uniqueness",

@@ -4,7 +4,7 @@ Spark's executors), each way reporting what pandera would. Reads only; writes no
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from backfill_assets.spec.model import ColumnSpec
@@ -67,6 +67,11 @@ def _violations_here(events: DataFrame, columns: tuple[ColumnSpec, ...]) -> dict
     frame = _to_pandas(events.limit(CONTRACT_DRIVER_ROWS + 1))
     if len(frame) > CONTRACT_DRIVER_ROWS:
         return None
+    return frame_violations(frame, columns)
+
+
+def frame_violations(frame: pd.DataFrame, columns: tuple[ColumnSpec, ...]) -> dict[str, int]:
+    """The violations of events already in this process (as ``toPandas`` gives them)."""
     return {
         f"{col}: {check}": n for col, check, n in _failures(contract_schema(columns), frame) if n
     }
@@ -125,7 +130,9 @@ _ONCE = " (once)"
 _PANDAS_DTYPES = {"int64": "bigint", "int32": "int", "float64": "double", "bool": "boolean"}
 
 
-def contract_violations(schema: pa.DataFrameSchema, events: DataFrame) -> dict[str, Column] | None:
+def contract_violations(
+    schema: pa.DataFrameSchema, events: DataFrame, types: Mapping[str, str] | None = None
+) -> dict[str, Column] | None:
     """The pandera ``schema``'s checks as Spark expressions over ``events``: per counter, a
     0/1 column to sum; :func:`contract_failures` turns the sums into pandera's report
     (``"<column>: <check>"`` -> failures). None if a check has no translation (then pandera
@@ -135,10 +142,11 @@ def contract_violations(schema: pa.DataFrameSchema, events: DataFrame) -> dict[s
     ``not_nullable``, and in an integer column also its dtype, once (pandas holds it as
     float); a type check (dtype, ``is_str``, ``is_datetime``) holds when the Spark column has
     the type whose values pandas receives as that type, else it fails once, and so does every
-    value check of the column."""
+    value check of the column. ``types`` (column -> Spark type) when the caller knows the
+    frame's types without asking Spark (over Connect, ``dtypes`` is a round trip)."""
     from pyspark.sql import functions as F
 
-    types = dict(events.dtypes)
+    types = dict(events.dtypes) if types is None else dict(types)
     if set(types) != set(schema.columns):
         return None  # strict: pandera names the missing or extra columns
     out: dict[str, Column] = {}
