@@ -108,8 +108,9 @@ def offset_contract(
     the records of an hour of up to ``decode_whole_up_to`` records, else 1 in ``decode_sample``
     (those whose position hash is ``decode_residue`` modulo it).
 
-    The decode runs in a thread after the scan (:class:`DecodePass`), while the caller goes on
-    to Spark; ``windows.wait_decode`` waits for it (``hour_figures`` does).
+    The decode is attached to the windows (:class:`DecodePass`): ``windows.start_decode`` runs
+    it in a thread while the caller waits on Spark, ``windows.wait_decode`` waits for it
+    (``hour_figures`` does; it starts the decode if nothing did).
 
     Offsets below a partition's log start offset come from the archive. Raises
     :class:`~backfill_assets.errors.WindowNotSealed` or
@@ -122,7 +123,7 @@ def offset_contract(
         sample = content_sample(
             windows, decode_sample, decode_whole_up_to, decode_residue, decode_accepted
         )
-        DecodePass(kafka, windows, decode, sample, archive).start()
+        DecodePass(kafka, windows, decode, sample, archive).attach()
     return OffsetContract(topic, start, end, windows.ranges, windows.kafka_start, windows)
 
 

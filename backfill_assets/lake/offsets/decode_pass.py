@@ -5,10 +5,12 @@ counts, hashes and sizes its committed records in one librdkafka pass. The raw t
 ``decoded_content`` check also needs every record (or, in a large hour, a sample) decoded by
 the Python reference (:class:`backfill_assets.lake.decode.content.RecordDecoder`), about 20 times
 the cost of the count. Nothing the run's Spark job does waits for that decode: only the checks
-read it. So :class:`DecodePass` reads the same offsets a second time in a thread, started as
-soon as the scan returns, and the decode runs while Spark reads, parses and writes the window
-(the run's driver waits on Spark meanwhile). The checks wait for it
-(:meth:`~backfill_assets.lake.offsets.windows.Windows.wait_decode`).
+read it. So :class:`DecodePass` reads the same offsets a second time in a thread, started when
+the replay hands its first write to Spark (not before: the driver's own Python work, building
+branches and plans, would share the interpreter with it), and the decode runs while Spark
+reads, parses and writes the window. The checks wait for it
+(:meth:`~backfill_assets.lake.offsets.windows.Windows.wait_decode`, which starts it if nothing
+did).
 
 The second read must be the records the scan counted: each cell's record count and hash sum
 are computed again and compared with the scan's before any decoded figure is kept. A log that
@@ -128,15 +130,25 @@ class DecodePass:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
-    def start(self) -> DecodePass:
+    def attach(self) -> DecodePass:
+        """Give the windows their content sample and this pending decode (not started yet:
+        :meth:`start`, or :meth:`join` does it)."""
         self.windows.content_sample = self.sample
         self.windows.pending = self
-        topic = self.windows.topic
-        self._thread = threading.Thread(target=self._run, name=f"decode {topic}", daemon=True)
-        self._thread.start()
+        return self
+
+    def start(self) -> DecodePass:
+        """Start reading in a thread, once (the caller goes on to Spark's write)."""
+        if self._thread is None:
+            self.attach()
+            topic = self.windows.topic
+            self._thread = threading.Thread(target=self._run, name=f"decode {topic}", daemon=True)
+            self._thread.start()
         return self
 
     def join(self) -> None:
+        """Wait for the decode (started now if it was not); raises what it raised."""
+        self.start()
         assert self._thread is not None
         self._thread.join()
         if self._error is not None:

@@ -45,6 +45,8 @@ HOUR = timedelta(hours=1)
 class PendingDecode(Protocol):
     """A decode of the windows' records still running (lake.offsets.decode_pass)."""
 
+    def start(self) -> Any: ...
+
     def join(self) -> None: ...
 
     def cancel(self) -> None: ...
@@ -168,6 +170,12 @@ class Windows:
         finally:
             self.decode_wait_s += time.monotonic() - began
         self.pending = None
+
+    def start_decode(self) -> None:
+        """Start the decode's pass, if one is attached and not started: when the caller is
+        about to wait on Spark (its thread then has the driver's interpreter to itself)."""
+        if self.pending is not None:
+            self.pending.start()
 
     def cancel_decode(self) -> None:
         """Stop the decode's pass (the run failed before its checks)."""

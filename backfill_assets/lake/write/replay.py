@@ -204,6 +204,8 @@ def replay_to_branch(
         qwriter = quarantine.writeTo(qbranch.ident)
         for key, value in props.items():
             qwriter = qwriter.option(f"snapshot-property.{SUMMARY_PREFIX}{key}", value)
+        # From here the driver waits on Spark: the independent decode reads Kafka meanwhile.
+        contract.windows.start_decode()
         qwriter.overwrite(window_filter(contract))
         writer = rows.writeTo(branch.ident)
         for key, value in props.items():
