@@ -9,21 +9,64 @@ hours, offsets, run totals), alternating, on a fresh SQLite instance each. Print
 seconds, the cost per partition beyond the first, and the ratio big / small metadata. No
 Kafka, no Spark.
 
+With ``--postgres`` every case also runs on a fresh database of a local Postgres 15 (Debian's,
+started for the script on a free loopback port, stopped at the end), with the storage of
+``infra/production/dagster.yaml`` (run, event log and schedule storage in Postgres through
+psycopg2), alternating with the SQLite runs, and prints the ratio Postgres / SQLite per
+partition.
+
+With ``--batch N`` every case also runs with Dagster's opt-in batched event writes
+(``DAGSTER_EVENT_BATCH_SIZE=N``, read by Dagster at each event, so the script sets it around
+each run), alternating with the unbatched runs, and prints the ratio batched / unbatched.
+
     .venv/bin/python bench/partition_events.py --repeat 3   (~1 min)
+    .venv/bin/python bench/partition_events.py --repeat 3 --postgres --batch 1000   (~5 min)
 """
 
 import argparse
+import contextlib
+import itertools
 import os
+import socket
 import statistics
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import dagster as dg
 
+_DATABASES = itertools.count()
 
-def _run(partitions: int, big: bool) -> float:
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _postgres_yaml(pg: Any) -> str:
+    """A ``storage: postgres:`` block (as infra/production/dagster.yaml's) on a new database."""
+    name = f"events_{next(_DATABASES)}"
+    pg.create_role_and_database("bench", "bench", name)
+    return (
+        "storage:\n  postgres:\n    postgres_db:\n      scheme: postgresql+psycopg2\n"
+        '      params:\n        options: "-c timezone=UTC"\n'
+        f"      hostname: {pg.host}\n      port: {pg.port}\n      db_name: {name}\n"
+        "      username: bench\n      password: bench\n"
+    )
+
+
+def _run(partitions: int, big: bool, pg: Any = None, batch: int = 0) -> float:
+    os.environ["DAGSTER_EVENT_BATCH_SIZE"] = str(batch)
+    try:
+        return _materialize(partitions, big, pg)
+    finally:
+        os.environ.pop("DAGSTER_EVENT_BATCH_SIZE", None)
+
+
+def _materialize(partitions: int, big: bool, pg: Any) -> float:
     hours_def = dg.HourlyPartitionsDefinition(start_date="2026-06-01-00:00")
     hours = [f"2026-06-{1 + i // 24:02d}T{i % 24:02d}:00:00+00:00" for i in range(168)]
 
@@ -43,7 +86,7 @@ def _run(partitions: int, big: bool) -> float:
     last = hours_def.get_partition_keys()[partitions - 1]
     home = tempfile.mkdtemp(prefix="bench-partition-events-")
     with open(os.path.join(home, "dagster.yaml"), "w") as f:
-        f.write("telemetry:\n  enabled: false\n")
+        f.write("telemetry:\n  enabled: false\n" + ("" if pg is None else _postgres_yaml(pg)))
     with dg.DagsterInstance.from_config(home) as instance:
         began = time.monotonic()
         dg.materialize(
@@ -57,26 +100,63 @@ def _run(partitions: int, big: bool) -> float:
         return time.monotonic() - began
 
 
+@contextlib.contextmanager
+def _postgres(wanted: bool) -> Iterator[Any]:
+    if not wanted:
+        yield None
+        return
+    from backfill_assets.stack.postgres import throwaway_server
+
+    with throwaway_server(free_port(), prefix="bench-partition-events-pg-") as pg:
+        yield pg
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--postgres", action="store_true", help="also on a local Postgres 15")
+    parser.add_argument("--batch", type=int, default=0, help="also with DAGSTER_EVENT_BATCH_SIZE")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    _run(1, False)  # imports and first-run costs, not counted
-    seconds: dict[tuple[int, bool], list[float]] = {}
-    for _ in range(args.repeat):
-        for case in ((1, False), (168, False), (1, True), (168, True)):
-            seconds.setdefault(case, []).append(_run(*case))
+    with _postgres(args.postgres) as pg:
+        stores = {"sqlite": None, **({"postgres": pg} if pg is not None else {})}
+        variants = [(name, batch) for name in stores for batch in sorted({0, max(args.batch, 0)})]
+        for name, batch in variants:
+            _run(1, False, stores[name], batch)  # imports and first-run costs, not counted
+        seconds: dict[tuple[str, int, int, bool], list[float]] = {}
+        for _ in range(args.repeat):
+            for case in ((1, False), (168, False), (1, True), (168, True)):
+                for name, batch in variants:
+                    took = _run(*case, stores[name], batch)
+                    seconds.setdefault((name, batch, *case), []).append(took)
     med = {case: statistics.median(values) for case, values in seconds.items()}
-    for (n, big), value in sorted(med.items()):
-        print(f"  {n:>3} partition(s), {'large' if big else 'small'} metadata: {value:.2f} s")
+    per = {variant: _report(variant, med) for variant in variants}
     for big in (False, True):
-        per = (med[(168, big)] - med[(1, big)]) / 167 * 1000
-        print(f"  per partition beyond the first ({'large' if big else 'small'}): {per:.1f} ms")
-    print(
-        f"  168 partitions, large / small metadata: {med[(168, True)] / med[(168, False)]:.2f}x; "
-        f"load average {os.getloadavg()[0]:.1f}"
-    )
+        label = "large" if big else "small"
+        if args.postgres:
+            ratio = per[("postgres", 0)][big] / per[("sqlite", 0)][big]
+            print(f"per partition, Postgres / SQLite ({label} metadata): {ratio:.2f}x")
+        if args.batch > 0:
+            for name in stores:
+                ratio = per[(name, args.batch)][big] / per[(name, 0)][big]
+                print(f"per partition, {name} batched / unbatched ({label}): {ratio:.2f}x")
+    print(f"load average {os.getloadavg()[0]:.1f}")
+
+
+def _report(
+    variant: tuple[str, int], med: dict[tuple[str, int, int, bool], float]
+) -> dict[bool, float]:
+    """Print one variant's medians; its cost per partition beyond the first, by metadata."""
+    name, batch = variant
+    print(f"{name}, DAGSTER_EVENT_BATCH_SIZE={batch}:")
+    per: dict[bool, float] = {}
+    for big in (False, True):
+        label = "large" if big else "small"
+        for n in (1, 168):
+            print(f"  {n:>3} partition(s), {label} metadata: {med[(name, batch, n, big)]:.2f} s")
+        per[big] = (med[(name, batch, 168, big)] - med[(name, batch, 1, big)]) / 167 * 1000
+        print(f"  per partition beyond the first ({label}): {per[big]:.1f} ms")
+    return per
 
 
 if __name__ == "__main__":

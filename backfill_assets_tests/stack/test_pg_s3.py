@@ -25,6 +25,7 @@ import pytest
 from backfill_assets.defs.resources import IcebergResource
 from backfill_assets.stack import jars
 from backfill_assets.stack.settings import REPO_ROOT, Settings
+from backfill_assets_tests.support.cluster_stack import production_event_batch_size
 from backfill_assets_tests.support.postgres import PgServer, postgres_server
 from backfill_assets_tests.support.s3proxy import S3Server, s3proxy_server
 
@@ -248,6 +249,57 @@ def test_dagster_instance_on_postgres_records_the_run(tier: Tier, dagster_run: A
             assert cur.fetchall() == [("SUCCESS",)]
     finally:
         con.close()
+
+
+HOURS = dg.HourlyPartitionsDefinition(start_date="2026-06-01-00:00")
+
+
+@dg.asset(partitions_def=HOURS, backfill_policy=dg.BackfillPolicy.single_run())
+def pgs3_hours(context) -> dg.MaterializeResult[None]:  # type: ignore[no-untyped-def]
+    """A no-op ranged asset: each hour's own metadata, as the raw asset adds its figures."""
+    for key in context.partition_keys:
+        context.add_asset_metadata({"hour": key}, partition_key=key)
+    return dg.MaterializeResult(metadata={"hours": len(context.partition_keys)})
+
+
+def test_batched_event_writes_record_every_partition_in_fewer_connections(
+    tier: Tier, dagster_run: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With production's DAGSTER_EVENT_BATCH_SIZE, a 24-hour ranged run on the Postgres
+    instance records all 24 materializations, each with its own hour's metadata, and opens far
+    fewer Postgres connections than the same run unbatched (Dagster's storage holds no pool:
+    one connection per event unbatched, bench/partition_events.py)."""
+    import psycopg2
+
+    instance, _ = dagster_run
+    connects: list[int] = []
+    connect = psycopg2.connect
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        connects.append(1)
+        return connect(*args, **kwargs)
+
+    monkeypatch.setattr(psycopg2, "connect", counted)
+    keys = HOURS.get_partition_keys()[:24]
+    tags = {
+        "dagster/asset_partition_range_start": keys[0],
+        "dagster/asset_partition_range_end": keys[-1],
+    }
+    opened: dict[str, int] = {}
+    for batch in ("0", production_event_batch_size()):
+        monkeypatch.setenv("DAGSTER_EVENT_BATCH_SIZE", batch)
+        before = len(connects)
+        result = dg.materialize([pgs3_hours], instance=instance, tags=tags)
+        opened[batch] = len(connects) - before
+        assert result.success
+        events = instance.all_logs(result.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)
+        recorded = {
+            e.asset_materialization.partition: e.asset_materialization.metadata["hour"].value
+            for e in events
+            if e.asset_materialization is not None
+        }
+        assert recorded == {key: key for key in keys}, f"DAGSTER_EVENT_BATCH_SIZE={batch}"
+    assert opened[production_event_batch_size()] < opened["0"] - len(keys), opened
 
 
 def test_no_secret_in_driver_log_event_log_or_snapshot_summaries(

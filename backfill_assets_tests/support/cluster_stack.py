@@ -39,6 +39,16 @@ from backfill_assets_tests.support.spark_cluster import spark_standalone
 
 # Dagster's production instance file, as production loads it (Postgres storage).
 PRODUCTION_DAGSTER_YAML = REPO_ROOT / "infra" / "production" / "dagster.yaml"
+PRODUCTION_COMPOSE = REPO_ROOT / "infra" / "production" / "docker-compose.yml"
+
+
+def production_event_batch_size() -> str:
+    """``DAGSTER_EVENT_BATCH_SIZE`` as the production compose file gives every Dagster process
+    (Dagster's own opt-in batched event writes)."""
+    import yaml
+
+    compose = yaml.safe_load(PRODUCTION_COMPOSE.read_text())
+    return str(compose["x-backfill-env"]["DAGSTER_EVENT_BATCH_SIZE"])
 
 
 @dataclass
@@ -145,6 +155,8 @@ def production_stack(home: Path, jar_cache: str) -> Iterator[ProductionStack]:
             "DAGSTER_POSTGRES_DB": pg.dagster_db,
             "DAGSTER_POSTGRES_USER": pg.dagster_user,
             "DAGSTER_POSTGRES_PASSWORD": pg.dagster_password,
+            # as infra/production/docker-compose.yml sets it
+            "DAGSTER_EVENT_BATCH_SIZE": production_event_batch_size(),
             **_spark_env(cluster.master_url),
         }
         began = time.monotonic()
