@@ -10,11 +10,14 @@ calls each one made (Connect mode: time waiting on the server). Over Connect it 
 profiled hour's Spark round trips (each ExecutePlan, AnalyzePlan and Config request the client
 sends: an action, a schema or metadata question, a session setting) per asset and per calling
 function of the project. No webserver or daemon: the launch, queue and run-process phases are
-bench/latency.py's.
+bench/latency.py's. ``--hours N`` profiles an N-hour backfill instead (raw and current state
+as one ranged run each, as a backfill's runs are; the north star's are 168 hours), after the
+same two 1-hour runs.
 
 Run from the repository root (jars resolved by scripts/bootstrap.sh):
     .venv/bin/python bench/profile_run.py              # runs as Spark Connect thin clients
     .venv/bin/python bench/profile_run.py --classic    # classic in-process Spark
+    .venv/bin/python bench/profile_run.py --hours 168 --events-per-hour 1500 --top 25
 """
 
 from __future__ import annotations
@@ -140,6 +143,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--classic", action="store_true", help="classic in-process Spark")
     parser.add_argument("--events-per-hour", type=int, default=600)
+    parser.add_argument("--hours", type=int, default=1, help="hours of the profiled backfill")
     parser.add_argument("--top", type=int, default=30, help="rows of each table")
     parser.add_argument("--save", type=Path, help="write the cProfile stats here")
     args = parser.parse_args()
@@ -185,7 +189,11 @@ def main() -> None:
             os.environ["BACKFILL_SPARK_CONNECT"] = server.url
         spec = next(s for s in SPECS if s.topic == "orders")
         config = GeneratorConfig(
-            topic="orders", start=START, hours=4, events_per_hour=args.events_per_hour, seed=7
+            topic="orders",
+            start=START,
+            hours=3 + args.hours,
+            events_per_hour=args.events_per_hour,
+            seed=7,
         )
         generate(settings, config)
         catalog.init_local_catalog(settings.catalog)
@@ -195,20 +203,28 @@ def main() -> None:
         resources = build_resources()
         instance = dg.DagsterInstance.ephemeral()
 
-        def one(hour: int) -> float:
+        def one(hour: int, hours: int = 1) -> float:
             first = START + timedelta(hours=hour)
-            ranges = common.ranges(spec, first, first + timedelta(hours=1))
-            keys = [key for keys, _, _ in ranges for key in keys]
             began = time.monotonic()
-            result = dg.materialize(
-                list(defs.assets or []),  # type: ignore[arg-type]
-                selection=keys,
-                partition_key=f"{first:%Y-%m-%d-%H:%M}",
-                resources=resources,
-                instance=instance,
-                raise_on_error=True,
-            )
-            assert result.success
+            for keys, start, end in common.ranges(spec, first, first + timedelta(hours=hours)):
+                last = end - timedelta(hours=1)
+                result = dg.materialize(
+                    list(defs.assets or []),  # type: ignore[arg-type]
+                    selection=keys,
+                    partition_key=f"{start:%Y-%m-%d-%H:%M}" if start == last else None,
+                    tags=(
+                        {}
+                        if start == last
+                        else {
+                            "dagster/asset_partition_range_start": f"{start:%Y-%m-%d-%H:%M}",
+                            "dagster/asset_partition_range_end": f"{last:%Y-%m-%d-%H:%M}",
+                        }
+                    ),
+                    resources=resources,
+                    instance=instance,
+                    raise_on_error=True,
+                )
+                assert result.success
             return time.monotonic() - began
 
         print(f"hour 0 (creates the tables): {one(0):.1f} s", flush=True)
@@ -216,10 +232,11 @@ def main() -> None:
         profile = cProfile.Profile()
         trips.on = True
         profile.enable()
-        seconds = one(2)
+        seconds = one(2, args.hours)
         profile.disable()
         trips.on = False
-        print(f"hour 2 (profiled): {seconds:.1f} s, load {os.getloadavg()[0]:.1f}\n")
+        label = "hour 2" if args.hours == 1 else f"hours 2..{1 + args.hours}"
+        print(f"{label} (profiled): {seconds:.1f} s, load {os.getloadavg()[0]:.1f}\n")
         if args.save:
             profile.dump_stats(str(args.save))
         stats = pstats.Stats(profile, stream=sys.stdout)
