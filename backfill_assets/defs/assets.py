@@ -29,11 +29,17 @@ from backfill_assets.lake.write import audit, checks, derived, publish, replay
 from backfill_assets.spec import declared, versions
 from backfill_assets.spec.model import CURRENT_META_COLUMNS, ColumnSpec, TableSpec, TopicSpec
 from backfill_assets.stack.catalog import CatalogClient, refusal
+from backfill_assets.stack.settings import Settings
 
-# One run covers up to a week of hourly partitions: a 30-day backfill starts 5 runs (5 Spark
-# sessions and 5 branches), not 720. A week is also the retry unit: a failed run re-reads at
-# most 168 hours. single_run() would make a month one all-or-nothing branch.
-BACKFILL_POLICY = dg.BackfillPolicy.multi_run(max_partitions_per_run=168)
+
+def backfill_policy(settings: Settings | None = None) -> dg.BackfillPolicy:
+    """How a backfill's range is cut into runs: at most ``BACKFILL_MAX_HOURS_PER_RUN`` hourly
+    partitions each (default 720: a 30-day backfill is one run, one Spark session, one branch
+    per table, its derived tables built once; docs/how-it-works.md, "Backfill policy")."""
+    hours = (settings or Settings.from_env()).max_hours_per_run
+    return dg.BackfillPolicy.multi_run(max_partitions_per_run=hours)
+
+
 POOL = "backfill"
 
 
@@ -295,13 +301,13 @@ def _table_asset(
     **definition: Any,
 ) -> Callable[[Callable[..., Any]], dg.AssetsDefinition]:
     """``dg.asset`` for table ``key`` written from ``spec``'s topic: partitioned by the topic's
-    Kafka hours, backfilled by :data:`BACKFILL_POLICY`, its runs in the :data:`POOL` pool, with
+    Kafka hours, backfilled by :func:`backfill_policy`, its runs in the :data:`POOL` pool, with
     the blocking checks ``check_names`` (described by ``descriptions``); ``definition`` holds
     the rest of the asset's arguments (description, group, deps, ...)."""
     decorator: Callable[[Callable[..., Any]], dg.AssetsDefinition] = dg.asset(
         key=key,
         partitions_def=kafka_hours(spec),
-        backfill_policy=BACKFILL_POLICY,
+        backfill_policy=backfill_policy(),
         pool=POOL,
         check_specs=_check_specs(key, check_names, descriptions),
         **definition,

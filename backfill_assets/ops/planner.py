@@ -16,7 +16,7 @@ from typing import Any
 import dagster as dg
 from confluent_kafka import Consumer, TopicPartition
 
-from backfill_assets.defs.assets import BACKFILL_POLICY, raw_asset_key, table_asset_key
+from backfill_assets.defs.assets import backfill_policy, raw_asset_key, table_asset_key
 from backfill_assets.errors import WindowError, WindowNotSealed
 from backfill_assets.lake.offsets.archive import Archive
 from backfill_assets.lake.offsets.contract import OffsetContract, window_contract
@@ -116,6 +116,8 @@ class Plan:
     predicted_breakdown: dict[str, float] = field(default_factory=dict)
     confidence: str = "low"
     confidence_basis: str = ""
+    # BACKFILL_MAX_HOURS_PER_RUN when planned: the range is cut into runs of at most this.
+    hours_per_run: int = 720
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -164,7 +166,7 @@ class Plan:
             f"  sources      {self._sources()}",
             f"  drain rate   {self.drain_rate_records_per_s:,.0f} records/s + "
             f"{self.run_overhead_s:.0f}s per run ({self.rate_source})",
-            f"  runs         {self.runs} (<= {BACKFILL_POLICY.max_partitions_per_run} partitions "
+            f"  runs         {self.runs} (<= {self.hours_per_run} partitions "
             f"each), {self.concurrency} at a time",
             f"  duration     ~{_duration(self.predicted_duration_s)}"
             + (
@@ -223,7 +225,7 @@ def make_plan(
     per_run_history = [h for h in history.values() if h["records"] >= 0][:20]
     ratios = [h["write_ratio"] for h in per_run_history if h["write_ratio"]]
     ratio = statistics.median(ratios) if ratios else DEFAULT_WRITE_RATIO
-    runs = max(1, math.ceil(partitions / BACKFILL_POLICY.max_partitions_per_run))  # type: ignore[operator]
+    runs = max(1, math.ceil(partitions / _hours_per_run()))
     estimate = _estimate(
         spec, start, end, instance, contract.records, partitions, runs, concurrency,
         per_run_history, sample["rate"],
@@ -254,6 +256,7 @@ def make_plan(
         run_overhead_s=overhead,
         rate_source=source,
         runs=runs,
+        hours_per_run=_hours_per_run(),
         concurrency=concurrency,
         predicted_duration_s=predicted,
         window_s=window_s,
@@ -267,6 +270,11 @@ def make_plan(
     )
     plan.scorecard = _scorecard(plan, spec, end)
     return plan
+
+
+def _hours_per_run() -> int:
+    """The most hours one run of a backfill covers (:func:`backfill_policy`)."""
+    return backfill_policy().max_partitions_per_run or 1
 
 
 def _estimate(
@@ -285,7 +293,7 @@ def _estimate(
     declared = backfill_ranges(spec, start, end)[1:]
     declared_tables = [key for keys, _, _ in declared for key in keys]
     # The backfill daemon puts a range's tables in the same runs, cut at the policy's size.
-    per_run = BACKFILL_POLICY.max_partitions_per_run or 1
+    per_run = _hours_per_run()
     declared_runs = sum(
         math.ceil(hours / per_run)
         for hours in {int((e - s) / timedelta(hours=1)) for _, s, e in declared}

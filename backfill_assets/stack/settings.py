@@ -265,6 +265,9 @@ class Settings:
     # backfill_assets.lake.decode.content.
     content_sample: int = 16
     content_sample_above: int = 50_000
+    # The hours (partitions) one backfill run covers at most (BACKFILL_MAX_HOURS_PER_RUN): a
+    # longer range is cut into runs of this size (defs.assets.backfill_policy).
+    max_hours_per_run: int = 720
     # The topics-and-tables spec Definitions are built from (BACKFILL_SPEC); None: the
     # package's own topics.yaml.
     spec_path: Path | None = None
@@ -397,6 +400,8 @@ FAULT_POINTS: tuple[str, ...] = get_args(FaultPoint)
 # The sparsest content sample allowed: 1 in 1024 still catches a fault touching 5,000 records
 # of a window with probability 99.2%.
 MAX_CONTENT_SAMPLE = 1024
+# The longest run a backfill is cut into (BACKFILL_MAX_HOURS_PER_RUN), in hours: a year.
+MAX_HOURS_PER_RUN = 8760
 LOCAL_CORES = 2
 
 
@@ -663,6 +668,12 @@ class Environment(BaseSettings):
     """K: the decoded_content check decodes 1 record in K of a large hour."""
     BACKFILL_CONTENT_SAMPLE_ABOVE: Count = 50_000
     """Hours with more records than this are sampled."""
+    BACKFILL_MAX_HOURS_PER_RUN: Annotated[
+        int,
+        Field(ge=1, le=MAX_HOURS_PER_RUN),
+        Allowed(f"1 to {MAX_HOURS_PER_RUN} hours (a year); default 720 (30 days)"),
+    ] = 720
+    """Hours one backfill run covers at most: the unit of retry and of publication."""
     BACKFILL_FAULT_POINT: FaultPoint | None = None
     """Test-only: a failpoint where a run kills itself (stack/faults.py)."""
 
@@ -914,6 +925,7 @@ def _settings(env: Environment) -> Settings:
         fault_point=env.BACKFILL_FAULT_POINT,
         content_sample=env.BACKFILL_CONTENT_SAMPLE,
         content_sample_above=env.BACKFILL_CONTENT_SAMPLE_ABOVE,
+        max_hours_per_run=env.BACKFILL_MAX_HOURS_PER_RUN,
         spec_path=env.BACKFILL_SPEC,
         maintenance=_maintenance(env),
         run_executor=env.BACKFILL_RUN_EXECUTOR,

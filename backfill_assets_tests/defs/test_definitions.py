@@ -77,12 +77,26 @@ def test_blocking_checks_users_rely_on() -> None:
             assert spec.blocking, f"{spec.key} must be blocking"
 
 
+def test_backfill_policy_cuts_runs_at_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BACKFILL_MAX_HOURS_PER_RUN sets every table's run size, and the planner counts runs of
+    that size."""
+    from backfill_assets.defs.assets import backfill_policy
+    from backfill_assets.ops import planner
+
+    monkeypatch.setenv("BACKFILL_MAX_HOURS_PER_RUN", "24")
+    assert backfill_policy() == dg.BackfillPolicy.multi_run(max_partitions_per_run=24)
+    rebuilt = build_defs(load_specs())
+    for key in (RAW, HOURLY):
+        assert rebuilt.resolve_assets_def(key).backfill_policy == backfill_policy()
+    assert planner._hours_per_run() == 24
+
+
 def test_partitions_lateness_mapping_and_backfill_policy() -> None:
     raw = defs.resolve_assets_def(RAW)
     hourly = defs.resolve_assets_def(HOURLY)
     assert isinstance(raw.partitions_def, dg.HourlyPartitionsDefinition)
     assert raw.partitions_def.timezone == "UTC"
-    assert raw.backfill_policy == dg.BackfillPolicy.multi_run(max_partitions_per_run=168)
+    assert raw.backfill_policy == dg.BackfillPolicy.multi_run(max_partitions_per_run=720)
     # Event-time hour 10:00 reads Kafka-time hours 10:00 .. 13:00 (allowed lateness 3 h).
     upstream = (
         defs.resolve_asset_graph()

@@ -66,6 +66,8 @@ def test_a_throttled_process_gets_half_the_local_cores_unless_the_master_is_set(
         ({"BACKFILL_CONTENT_SAMPLE": "4096"}, "BACKFILL_CONTENT_SAMPLE='4096'.* to 1024"),
         ({"BACKFILL_CONTENT_SAMPLE": "1/16"}, "BACKFILL_CONTENT_SAMPLE='1/16'"),
         ({"BACKFILL_CONTENT_SAMPLE_ABOVE": "lots"}, "BACKFILL_CONTENT_SAMPLE_ABOVE"),
+        ({"BACKFILL_MAX_HOURS_PER_RUN": "0"}, "BACKFILL_MAX_HOURS_PER_RUN='0' .* 1 to 8760"),
+        ({"BACKFILL_MAX_HOURS_PER_RUN": "9000"}, "BACKFILL_MAX_HOURS_PER_RUN='9000' .* 1 to 8760"),
         ({"BACKFILL_SENSOR_INTERVAL_S": "0"}, "BACKFILL_SENSOR_INTERVAL_S='0' must be a positive"),
         ({"BACKFILL_SENSOR_INTERVAL_S": "2m"}, "BACKFILL_SENSOR_INTERVAL_S='2m' is not a whole"),
         (
