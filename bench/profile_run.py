@@ -146,6 +146,7 @@ def main() -> None:
     parser.add_argument("--hours", type=int, default=1, help="hours of the profiled backfill")
     parser.add_argument("--top", type=int, default=30, help="rows of each table")
     parser.add_argument("--save", type=Path, help="write the cProfile stats here")
+    parser.add_argument("--keep-home", action="store_true", help="keep BACKFILL_HOME (logs)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # Dagster's beta notices on import
 
@@ -255,7 +256,10 @@ def main() -> None:
         if server is not None:
             server.stop()
         broker.stop()
-        shutil.rmtree(home, ignore_errors=True)
+        if args.keep_home:
+            print(f"kept {home}", flush=True)
+        else:
+            shutil.rmtree(home, ignore_errors=True)
 
 
 if __name__ == "__main__":
