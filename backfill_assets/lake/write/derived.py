@@ -48,7 +48,13 @@ from backfill_assets.lake.write.schema_contract import (
     contract_violations,
 )
 from backfill_assets.lake.write.tables import add_columns, has_columns, spark_type
-from backfill_assets.lake.write.wap import Branch, iceberg_table, open_branch, ref_snapshot
+from backfill_assets.lake.write.wap import (
+    Branch,
+    hour_writer,
+    iceberg_table,
+    open_branch,
+    ref_snapshot,
+)
 from backfill_assets.spec import declared
 from backfill_assets.spec.model import (
     EVENT_META_COLUMNS,
@@ -345,7 +351,7 @@ def build_declared(
         result, window, outside = _declared_result(spark, table, start, end, persisted)
         source_figures = _source_figures(spark, table, inputs, frames, start, end)
         branch = open_branch(spark, full, run_id, attempt)
-        result.where(window).writeTo(branch.ident).overwrite(window)
+        hour_writer(result.where(window), branch.ident).overwrite(window)
     finally:
         for view in views:
             spark.catalog.dropTempView(view)

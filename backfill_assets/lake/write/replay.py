@@ -37,11 +37,11 @@ from backfill_assets.lake.offsets.contract import OffsetContract, hours_filter, 
 from backfill_assets.lake.write.read import attribute, read_contract, read_throttled
 from backfill_assets.lake.write.tables import ensure_tables
 from backfill_assets.lake.write.wap import (
-    SUMMARY_PREFIX,
     Branch,
     committed_by,
     drop_branch,
     fast_forward,
+    hour_writer,
     open_branch,
     pending_quarantine,
     ref_snapshot_id,
@@ -201,16 +201,10 @@ def replay_to_branch(
         finish_quarantine(spark, iceberg, spec)
         branch = open_branch(spark, table, run_id)
         qbranch = open_branch(spark, qtable, run_id)
-        qwriter = quarantine.writeTo(qbranch.ident)
-        for key, value in props.items():
-            qwriter = qwriter.option(f"snapshot-property.{SUMMARY_PREFIX}{key}", value)
         # From here the driver waits on Spark: the independent decode reads Kafka meanwhile.
         contract.windows.start_decode()
-        qwriter.overwrite(window_filter(contract))
-        writer = rows.writeTo(branch.ident)
-        for key, value in props.items():
-            writer = writer.option(f"snapshot-property.{SUMMARY_PREFIX}{key}", value)
-        writer.overwrite(window_filter(contract))
+        hour_writer(quarantine, qbranch.ident, props).overwrite(window_filter(contract))
+        hour_writer(rows, branch.ident, props).overwrite(window_filter(contract))
         written = branch_write_stats(spark, branch)
         faults.after_branch_write(spark, branch.ident, qbranch.ident, contract)
     finally:
@@ -247,11 +241,8 @@ def publish_quarantine(
             fast_forward(table, qbranch.name, qbranch.main_before)
             return _published_quarantine(spark, qbranch)
     rows = spark.table(qbranch.ident).where(hours_filter(*window))
-    writer = rows.writeTo(table)
     props = {k: v for k, v in summary.items() if k != "published"}
-    for key, value in props.items():
-        writer = writer.option(f"snapshot-property.{SUMMARY_PREFIX}{key}", value)
-    writer.overwrite(hours_filter(*window))
+    hour_writer(rows, table, props).overwrite(hours_filter(*window))
     return _published_quarantine(spark, qbranch)
 
 
@@ -314,10 +305,7 @@ def reapply(spark: SparkSession, outcome: ReplayOutcome, attempt: int) -> Branch
         rows.count()
         props = audit_summary(outcome.contract, outcome.run_id)
         branch = open_branch(spark, old.table, outcome.run_id, attempt)
-        writer = rows.writeTo(branch.ident)
-        for key, value in props.items():
-            writer = writer.option(f"snapshot-property.{SUMMARY_PREFIX}{key}", value)
-        writer.overwrite(window_filter(outcome.contract))
+        hour_writer(rows, branch.ident, props).overwrite(window_filter(outcome.contract))
     finally:
         rows.unpersist()
     drop_branch(old.table, old.name)
