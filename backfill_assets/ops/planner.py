@@ -23,6 +23,8 @@ from backfill_assets.lake.offsets.contract import OffsetContract, window_contrac
 from backfill_assets.spec.model import TopicSpec
 from backfill_assets.stack.catalog import CatalogClient
 from backfill_assets.stack.kafka import KafkaClient
+from backfill_assets.stack.settings import Settings
+from backfill_assets.stack.spark import endpoint
 
 SAMPLE_RECORDS = 2000
 # Fixed cost of one run (Spark session, branch, checks, publish: RUN_START to RUN_SUCCESS),
@@ -68,6 +70,8 @@ NOISE_FLOOR_S = 5.0
 HISTORY_RUNS = 20
 HISTORY_PAGE = 500
 HISTORY_PAGES = 10
+IN_FLIGHT_RUNS = 200  # the most runs read to tell how many an earlier run shared the cores with
+LOOPBACK = ("127.0.0.1", "localhost", "::1")  # a Spark Connect server on this machine
 COST_YELLOW_BYTES = 10 * 2**30
 COST_RED_BYTES = 100 * 2**30
 
@@ -228,7 +232,7 @@ def make_plan(
     runs = max(1, math.ceil(partitions / _hours_per_run()))
     estimate = _estimate(
         spec, start, end, instance, contract.records, partitions, runs, concurrency,
-        per_run_history, sample["rate"],
+        per_run_history, sample["rate"], shares_cores(settings),
     )  # fmt: skip
     overhead, rate, source = estimate.overhead_s, estimate.rate, estimate.source
     predicted = estimate.total_s
@@ -288,8 +292,12 @@ def _estimate(
     concurrency: int,
     per_run_history: list[dict[str, Any]],
     sample_rate: float,
+    shared: bool = False,
 ) -> Estimate:
-    """:func:`predict` fed from the instance's history of the raw and declared tables' runs."""
+    """:func:`predict` fed from the instance's history of the raw and declared tables' runs.
+    With ``shared`` (:func:`shares_cores`), each earlier run's wall is taken as its own work
+    times the runs it shared the cores with (``in_flight``): the history is read as one run's
+    work alone, and :func:`predict` shares the cores again as the planned runs will."""
     declared = backfill_ranges(spec, start, end)[1:]
     declared_tables = [key for keys, _, _ in declared for key in keys]
     # The backfill daemon puts a range's tables in the same runs, cut at the policy's size.
@@ -300,7 +308,7 @@ def _estimate(
     )
     # The declared tables' runs (one run may hold several of them: each run counts once).
     walls = {
-        run_id: h["wall_s"]
+        run_id: _alone(h, shared)
         for key in declared_tables
         for run_id, h in (_history(instance, key).items() if instance is not None else [])
     }
@@ -311,12 +319,28 @@ def _estimate(
         partitions=partitions,
         runs=runs,
         concurrency=concurrency,
-        history=[(h["records"], h["wall_s"]) for h in per_run_history],
+        history=[(h["records"], _alone(h, shared)) for h in per_run_history],
         sample_rate=sample_rate,
         declared_tables=len(declared_tables),
         declared_walls=list(walls.values())[:20],
         declared_runs=declared_runs,
+        shared=shared,
     )
+
+
+def _alone(run: dict[str, float], shared: bool) -> float:
+    """An earlier run's wall as if it had had the cores to itself (``shared``), else as run."""
+    return run["wall_s"] / max(1.0, run.get("in_flight", 1.0)) if shared else run["wall_s"]
+
+
+def shares_cores(settings: Settings) -> bool:
+    """Whether a backfill's concurrent runs share one machine's cores: Spark in the run
+    process (``local[...]``) or a Spark Connect server on this machine. Two weekly runs at a
+    time on two cores each took about twice as long as alone (bench/HISTORY.md, eighteenth
+    pass), so runs there are modelled as sharing; on a cluster they are not."""
+    if settings.spark_connect:
+        return endpoint(settings.spark_connect)[0] in LOOPBACK
+    return settings.spark_master.startswith("local")
 
 
 @dataclass
@@ -349,6 +373,7 @@ def predict(
     daemon_pass: float | None = None,
     now: float = 0.0,
     declared_runs: int = 1,
+    shared: bool = False,
 ) -> Estimate:
     """Launch-to-published seconds of a range launched at ``now`` (epoch seconds), phase by
     phase.
@@ -359,7 +384,8 @@ def predict(
     records per second. ``declared_walls`` are earlier runs of the declared tables the range
     also materializes (``declared_tables`` of them, in ``declared_runs`` runs). The runs are
     laid out as the run queue starts them (:func:`_schedule`): ``concurrency`` at a time, in
-    the order they were queued, each declared run after the raw runs whose hours it reads.
+    the order they were queued, each declared run after the raw runs whose hours it reads;
+    with ``shared``, the runs in flight share the cores (the walls given are each run's alone).
     ``daemon_pass`` is when the backfill daemon last started a pass, if known recently: a
     backfill's first runs then wait until the daemon's next pass, otherwise 15 s on average."""
     overhead, rate, source = _fit(history, sample_rate)
@@ -377,6 +403,7 @@ def predict(
         [raw_wall] * runs,
         [DECLARED_WAIT_S + RUN_START_S + declared_wall] * (declared_runs if declared_tables else 0),
         concurrency,
+        shared,
     )
     breakdown = {"launch": launch, "raw runs": raw_end}
     if declared_tables:
@@ -406,12 +433,17 @@ def predict(
     )
 
 
-def _schedule(raw: list[float], declared: list[float], concurrency: int) -> tuple[float, float]:
+def _schedule(
+    raw: list[float], declared: list[float], concurrency: int, shared: bool = False
+) -> tuple[float, float]:
     """(when the last raw run ends, when the last run ends), in seconds from the first run's
     start: the runs take ``concurrency`` slots in order, raw runs first (the backfill queues
     them at once); declared run ``i`` (its wait for creation included) starts once raw runs
     ``0..i+1`` ended, the ones holding its event hours and the hours its lateness reaches into.
-    A 30-day north star (5 raw and 5 declared runs, 2 at a time) ran like that."""
+    A 30-day north star (5 raw and 5 declared runs, 2 at a time) ran like that. With
+    ``shared``, see :func:`_shared_schedule`."""
+    if shared:
+        return _shared_schedule(raw, declared, concurrency)
     slots = [0.0] * max(1, concurrency)
     raw_ends = []
     for wall in raw:
@@ -424,6 +456,40 @@ def _schedule(raw: list[float], declared: list[float], concurrency: int) -> tupl
         slot = slots.index(min(slots))
         slots[slot] = max(slots[slot], ready) + wall
     return raw_end, max([raw_end, *slots]) if declared else raw_end
+
+
+def _shared_schedule(
+    raw: list[float], declared: list[float], concurrency: int
+) -> tuple[float, float]:
+    """:func:`_schedule` with the runs in flight sharing the cores: each of ``m`` runs does
+    1/``m`` of its work (its wall alone) per second. Started in the same order, at most
+    ``concurrency`` at a time."""
+    queue = [(True, i, w) for i, w in enumerate(raw)] + [
+        (False, i, w) for i, w in enumerate(declared)
+    ]
+    raw_ends: dict[int, float] = {}
+    running: dict[int, float] = {}  # queue index -> work left (seconds alone)
+    now = last = 0.0
+    started = 0
+    while started < len(queue) or running:
+        while started < len(queue) and len(running) < max(1, concurrency):
+            is_raw, i, work = queue[started]
+            if not is_raw and any(k not in raw_ends for k in range(min(i + 2, len(raw)))):
+                break  # a declared run waits for the raw runs it reads (and so do later ones)
+            running[started] = work
+            started += 1
+        share = len(running)
+        step = min(running.values())  # the next run to end, in work
+        now += step * share
+        for j in list(running):
+            running[j] -= step
+            if running[j] <= 1e-9:
+                del running[j]
+                last = now
+                if queue[j][0]:
+                    raw_ends[queue[j][1]] = now
+    raw_end = max(raw_ends.values(), default=0.0)
+    return raw_end, max(last, raw_end) if declared else raw_end
 
 
 def _confidence(
@@ -718,11 +784,39 @@ def _history(instance: dg.DagsterInstance, key: dg.AssetKey) -> dict[str, dict[s
         per_run[record.run_id] = {
             "records": float(records) if isinstance(records, int) else -1.0,
             "wall_s": stats.end_time - stats.start_time,
+            "in_flight": _in_flight(instance, stats.start_time, stats.end_time),
             "write_ratio": float(written_b) / float(read_b)
             if isinstance(read_b, int) and isinstance(written_b, int) and read_b
             else 0.0,
         }
     return per_run
+
+
+def _in_flight(instance: dg.DagsterInstance, start: float, end: float) -> float:
+    """How many runs of the instance were in flight, on average, from ``start`` to ``end``
+    (epoch seconds) of one run, that run included (:func:`in_flight`)."""
+    records = instance.get_run_records(
+        dg.RunsFilter(
+            created_before=datetime.fromtimestamp(end, UTC),
+            updated_after=datetime.fromtimestamp(start, UTC),
+        ),
+        limit=IN_FLIGHT_RUNS,
+    )
+    return in_flight(start, end, [(r.start_time, r.end_time) for r in records])
+
+
+def in_flight(start: float, end: float, spans: list[tuple[float | None, float | None]]) -> float:
+    """The runs in flight during ``[start, end)``, averaged over it: each span's (a run's start
+    and end; no start: never ran, no end: still running) overlap with it, over its length.
+    At least 1 (the run itself is one of the spans)."""
+    if end <= start:
+        return 1.0
+    busy = sum(
+        max(0.0, min(end, e if e is not None else end) - max(start, s))
+        for s, e in spans
+        if s is not None
+    )
+    return max(1.0, busy / (end - start))
 
 
 def _materializations(instance: dg.DagsterInstance, key: dg.AssetKey) -> Iterator[Any]:

@@ -186,6 +186,54 @@ def test_a_declared_run_waits_for_the_raw_runs_it_reads_even_with_free_slots() -
     assert est.breakdown["declared tables"] == pytest.approx(DECLARED_WAIT_S + RUN_START_S + 10.0)
 
 
+def test_runs_that_share_the_cores_take_turns_at_the_work() -> None:
+    """On one machine (local Spark, or a Connect server on it) two runs at a time each go at
+    half speed: 4 runs of w seconds alone end at 4w, not at 2w as on a cluster."""
+    alone = _predict(records=8_000, partitions=400, runs=4, concurrency=2)
+    shared = _predict(records=8_000, partitions=400, runs=4, concurrency=2, shared=True)
+    w = shared.overhead_s + 2_000 / shared.rate
+    assert alone.breakdown["raw runs"] == pytest.approx(2 * w)
+    assert shared.breakdown["raw runs"] == pytest.approx(4 * w)
+    # One run has the cores to itself either way.
+    one = _predict(records=2_000, partitions=168, runs=1, concurrency=2, shared=True)
+    assert one.breakdown["raw runs"] == pytest.approx(w)
+
+
+def test_shared_declared_runs_still_wait_for_the_raw_runs_they_read() -> None:
+    est = _predict(
+        records=4_000, partitions=336, runs=2, concurrency=4, declared_tables=1,
+        declared_runs=2, declared_walls=[10.0], shared=True,
+    )  # fmt: skip
+    w = est.overhead_s + 2_000 / est.rate
+    d = DECLARED_WAIT_S + RUN_START_S + 10.0
+    # The two raw runs share the cores (2w); the declared runs then share them too (2d).
+    assert est.breakdown["raw runs"] == pytest.approx(2 * w)
+    assert est.breakdown["declared tables"] == pytest.approx(2 * d)
+
+
+def test_runs_in_flight_are_averaged_over_a_runs_wall() -> None:
+    assert planner.in_flight(100.0, 200.0, [(100.0, 200.0)]) == 1.0
+    # Another run over its whole wall, a third over half of it, one before, one never started.
+    spans = [(100.0, 200.0), (90.0, 210.0), (150.0, None), (10.0, 90.0), (None, None)]
+    assert planner.in_flight(100.0, 200.0, spans) == pytest.approx(2.5)
+    # Weekly runs two at a time: each wall read alone is half of it.
+    run = {"records": 1_000.0, "wall_s": 120.0, "in_flight": 2.0}
+    assert planner._alone(run, shared=True) == 60.0
+    assert planner._alone(run, shared=False) == 120.0
+
+
+def test_runs_share_the_cores_on_this_machine_only() -> None:
+    from backfill_assets.stack.settings import Settings
+
+    assert planner.shares_cores(Settings.from_env({"BACKFILL_SPARK_MASTER": "local[2]"}))
+    here = {"BACKFILL_SPARK_CONNECT": "sc://127.0.0.1:15002"}
+    assert planner.shares_cores(Settings.from_env(here))
+    cluster = {"BACKFILL_SPARK_CONNECT": "sc://spark-connect.data.svc:15002"}
+    assert not planner.shares_cores(Settings.from_env(cluster))
+    master = {"BACKFILL_SPARK_MASTER": "spark://spark-master:7077"}
+    assert not planner.shares_cores(Settings.from_env(master))
+
+
 def test_the_history_holds_runs_not_a_fixed_number_of_materializations() -> None:
     """Runs of 168 hours write 168 materializations each: the history still holds every run
     (a real instance, runs of a partitioned asset)."""
