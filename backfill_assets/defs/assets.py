@@ -34,7 +34,7 @@ from backfill_assets.stack.settings import Settings
 
 def backfill_policy(settings: Settings | None = None) -> dg.BackfillPolicy:
     """How a backfill's range is cut into runs: at most ``BACKFILL_MAX_HOURS_PER_RUN`` hourly
-    partitions each (default 168: a 30-day backfill is 5 runs, 5 Spark sessions, 5 branches
+    partitions each (default 720: a 30-day backfill is one run, one Spark session, one branch
     per table; docs/how-it-works.md, "Backfill policy")."""
     hours = (settings or Settings.from_env()).max_hours_per_run
     return dg.BackfillPolicy.multi_run(max_partitions_per_run=hours)

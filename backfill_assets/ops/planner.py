@@ -121,7 +121,7 @@ class Plan:
     confidence: str = "low"
     confidence_basis: str = ""
     # BACKFILL_MAX_HOURS_PER_RUN when planned: the range is cut into runs of at most this.
-    hours_per_run: int = 168
+    hours_per_run: int = 720
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)

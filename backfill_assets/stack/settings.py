@@ -267,7 +267,7 @@ class Settings:
     content_sample_above: int = 50_000
     # The hours (partitions) one backfill run covers at most (BACKFILL_MAX_HOURS_PER_RUN): a
     # longer range is cut into runs of this size (defs.assets.backfill_policy).
-    max_hours_per_run: int = 168
+    max_hours_per_run: int = 720
     # The topics-and-tables spec Definitions are built from (BACKFILL_SPEC); None: the
     # package's own topics.yaml.
     spec_path: Path | None = None
@@ -671,8 +671,8 @@ class Environment(BaseSettings):
     BACKFILL_MAX_HOURS_PER_RUN: Annotated[
         int,
         Field(ge=1, le=MAX_HOURS_PER_RUN),
-        Allowed(f"1 to {MAX_HOURS_PER_RUN} hours (a year); default 168 (a week)"),
-    ] = 168
+        Allowed(f"1 to {MAX_HOURS_PER_RUN} hours (a year); default 720 (30 days)"),
+    ] = 720
     """Hours one backfill run covers at most: the unit of retry and of publication."""
     BACKFILL_FAULT_POINT: FaultPoint | None = None
     """Test-only: a failpoint where a run kills itself (stack/faults.py)."""

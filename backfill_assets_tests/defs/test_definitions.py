@@ -96,7 +96,7 @@ def test_partitions_lateness_mapping_and_backfill_policy() -> None:
     hourly = defs.resolve_assets_def(HOURLY)
     assert isinstance(raw.partitions_def, dg.HourlyPartitionsDefinition)
     assert raw.partitions_def.timezone == "UTC"
-    assert raw.backfill_policy == dg.BackfillPolicy.multi_run(max_partitions_per_run=168)
+    assert raw.backfill_policy == dg.BackfillPolicy.multi_run(max_partitions_per_run=720)
     # Event-time hour 10:00 reads Kafka-time hours 10:00 .. 13:00 (allowed lateness 3 h).
     upstream = (
         defs.resolve_asset_graph()
