@@ -211,6 +211,25 @@ def test_shared_declared_runs_still_wait_for_the_raw_runs_they_read() -> None:
     assert est.breakdown["declared tables"] == pytest.approx(2 * d)
 
 
+def test_a_declared_runs_cost_follows_the_hours_it_covers() -> None:
+    """The north star's history (nineteenth pass): weekly declared runs ~25 s alone, month
+    runs ~87 s. A month's declared run was predicted at the weekly median (-27% in all)."""
+    walls, lengths = [24.0, 26.0, 25.0, 86.0, 88.0], [168.0, 168.0, 168.0, 720.0, 720.0]
+    month = planner._declared_seconds(walls, lengths, 720.0)
+    assert month == pytest.approx(87.0, rel=0.02)
+    assert planner._declared_seconds(walls, lengths, 168.0) == pytest.approx(25.0, rel=0.05)
+    # One length says nothing of the cost per hour: their median, as before.
+    assert planner._declared_seconds([24.0, 26.0, 25.0], [168.0] * 3, 720.0) == 25.0
+    # A line falling with the hours (noise) is not extrapolated either.
+    assert planner._declared_seconds([40.0, 20.0], [6.0, 24.0], 168.0) == 30.0
+    assert planner._declared_seconds([], None, 720.0) == DECLARED_RUN_S
+    est = _predict(
+        records=3_000, partitions=720, runs=1, declared_tables=2, declared_runs=1,
+        declared_walls=walls, declared_lengths=lengths, declared_hours=720.0,
+    )  # fmt: skip
+    assert est.breakdown["declared tables"] == pytest.approx(DECLARED_WAIT_S + RUN_START_S + month)
+
+
 def test_runs_in_flight_are_averaged_over_a_runs_wall() -> None:
     assert planner.in_flight(100.0, 200.0, [(100.0, 200.0)]) == 1.0
     # Another run over its whole wall, a third over half of it, one before, one never started.
@@ -265,6 +284,7 @@ def test_the_history_holds_runs_not_a_fixed_number_of_materializations() -> None
         history = planner._history(instance, ranged.key)
     assert len(history) == 4
     assert sorted(h["records"] for h in history.values()) == [168_000.0] * 4
+    assert [h["hours"] for h in history.values()] == [168.0] * 4
 
 
 def test_without_history_the_defaults_are_said_to_be_defaults() -> None:
