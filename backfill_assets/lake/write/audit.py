@@ -167,7 +167,7 @@ def record_unaudited_publishes(
     (a live run writes its row right after its fast-forward), so a row still missing means the
     run died. Main's snapshot summaries carry everything the row needs.
     """
-    from backfill_assets.lake.write.wap import SUMMARY_PREFIX
+    from backfill_assets.lake.offsets.ledger import SUMMARY_PREFIX
 
     ident = table_name.split(".", 1)[1] if table_name.count(".") >= 2 else table_name
     table = catalog.load_table(ident)

@@ -25,6 +25,7 @@ from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import ancestors_of
 
 from backfill_assets.errors import MainMoved, PublishError
+from backfill_assets.lake.offsets.ledger import SUMMARY_PREFIX
 from backfill_assets.stack import catalog as catalog_mod
 from backfill_assets.stack.catalog import lost_race, retry_commit
 from backfill_assets.stack.faults import failpoint
@@ -36,8 +37,6 @@ if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
     from pyiceberg.table import Table
     from pyspark.sql import DataFrame, DataFrameWriterV2, SparkSession
-
-SUMMARY_PREFIX = "backfill."
 
 
 @dataclass(frozen=True)
@@ -60,8 +59,8 @@ def hour_writer(
 
     Each task's rows are sorted by hour before they are written (Iceberg's clustered writer: one
     open data file at a time), not spread over one open Parquet writer per hour the task holds
-    (the fanout writer, Iceberg's default): a small result is one task, and a month's 720
-    writers' buffers outgrew a 2 GB driver. The write is still one commit."""
+    (the fanout writer, Iceberg's default): a small result is one task, and the buffers of a
+    672-hour run's writers outgrew a 2 GB driver. The write is still one commit."""
     writer = rows.writeTo(ident).option("fanout-enabled", "false")
     for key, value in (summary or {}).items():
         writer = writer.option(f"snapshot-property.{SUMMARY_PREFIX}{key}", value)
