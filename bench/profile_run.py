@@ -11,7 +11,7 @@ profiled hour's Spark round trips (each ExecutePlan, AnalyzePlan and Config requ
 sends: an action, a schema or metadata question, a session setting) per asset and per calling
 function of the project. No webserver or daemon: the launch, queue and run-process phases are
 bench/latency.py's. ``--hours N`` profiles an N-hour backfill instead (raw and current state
-as one ranged run each, as a backfill's runs are; the north star's are 168 hours), after the
+as one ranged run each, as a backfill's runs are: up to 720 hours by default), after the
 same two 1-hour runs.
 
 Run from the repository root (jars resolved by scripts/bootstrap.sh):

@@ -4,11 +4,12 @@ a small sample of records and the Dagster instance's history; it writes nothing.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -75,7 +76,7 @@ HISTORY_RUNS = 20
 HISTORY_PAGE = 500
 HISTORY_PAGES = 10
 IN_FLIGHT_RUNS = 200  # the most runs read to tell how many an earlier run shared the cores with
-LOOPBACK = ("127.0.0.1", "localhost", "::1")  # a Spark Connect server on this machine
+LOOPBACK = ("127.0.0.1", "localhost")  # a Spark Connect server on this machine
 COST_YELLOW_BYTES = 10 * 2**30
 COST_RED_BYTES = 100 * 2**30
 
@@ -341,13 +342,15 @@ def _declared_seconds(
 ) -> float:
     """One declared run's seconds over ``hours`` hours, from earlier declared runs' seconds
     (``walls``) and the hours each covered (``lengths``): a line through them when they cover
-    two lengths or more and it rises with the hours from a fixed cost of 0 or more (a week's
-    runs, ~25 s each alone, and a month's, ~87 s: 0.11 s an hour, nineteenth pass); else
-    their median, whatever the length (one length says nothing of the cost per hour).
+    two lengths or more, the longest at least half of ``hours``, and it rises with the hours
+    from a fixed cost of 0 or more (a week's runs, ~25 s each alone, and a month's, ~87 s:
+    0.11 s an hour, nineteenth pass); else their median, whatever the length (one length says
+    nothing of the cost per hour, and the late-data sensor's 1-3 hour runs must not set a
+    month's).
     DECLARED_RUN_S without earlier runs."""
     if not walls:
         return DECLARED_RUN_S
-    if hours is not None and lengths and len(set(lengths)) >= 2:
+    if hours is not None and lengths and len(set(lengths)) >= 2 and 2 * max(lengths) >= hours:
         slope, fixed = statistics.linear_regression(lengths, walls)
         if slope > 0 and fixed >= 0:
             return fixed + slope * hours
@@ -828,9 +831,12 @@ def _run_hours(instance: dg.DagsterInstance, run_id: str) -> float:
     run = instance.get_run_by_id(run_id)
     tags = run.tags if run is not None else {}
     first, last = tags.get(RANGE_START_TAG), tags.get(RANGE_END_TAG)
-    if first is None or last is None:
+    try:
+        span = datetime.strptime(last or "", PARTITION_FMT) - datetime.strptime(
+            first or "", PARTITION_FMT
+        )
+    except ValueError:  # no range, or not hourly keys
         return 1.0
-    span = datetime.strptime(last, PARTITION_FMT) - datetime.strptime(first, PARTITION_FMT)
     return span / timedelta(hours=1) + 1
 
 
@@ -847,18 +853,25 @@ def _in_flight(instance: dg.DagsterInstance, start: float, end: float) -> float:
     return in_flight(start, end, [(r.start_time, r.end_time) for r in records])
 
 
-def in_flight(start: float, end: float, spans: list[tuple[float | None, float | None]]) -> float:
-    """The runs in flight during ``[start, end)``, averaged over it: each span's (a run's start
-    and end; no start: never ran, no end: still running) overlap with it, over its length.
-    At least 1 (the run itself is one of the spans)."""
+def in_flight(
+    start: float, end: float, spans: Sequence[tuple[float | None, float | None]]
+) -> float:
+    """How many runs shared the cores with the run of ``[start, end)``, as a factor of its
+    wall: the wall over its work alone, where each second with ``m`` runs in flight (the
+    run itself included) counts 1/``m`` second of work (the processor sharing of
+    :func:`_shared_schedule`). ``spans``: the runs' (start, end); no start: never ran, no
+    end: still running. At least 1."""
     if end <= start:
         return 1.0
-    busy = sum(
-        max(0.0, min(end, e if e is not None else end) - max(start, s))
-        for s, e in spans
-        if s is not None
-    )
-    return max(1.0, busy / (end - start))
+    clipped = [
+        (max(start, s), min(end, e if e is not None else end)) for s, e in spans if s is not None
+    ]
+    cuts = sorted({start, end, *(t for span in clipped for t in span if start < t < end)})
+    work = 0.0
+    for lo, hi in itertools.pairwise(cuts):
+        running = sum(1 for s, e in clipped if s <= lo and e >= hi)
+        work += (hi - lo) / max(1, running)
+    return (end - start) / work
 
 
 def _materializations(instance: dg.DagsterInstance, key: dg.AssetKey) -> Iterator[Any]:

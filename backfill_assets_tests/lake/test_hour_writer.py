@@ -19,9 +19,15 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def test_a_month_of_hours_in_one_task_fits_a_small_driver(
     stack_env: dict[str, str], tmp_path: Path
 ) -> None:
+    # The session's own settings (a cluster stack's Connect server, catalog) stay out: the
+    # month is written by a local driver of its own, into a catalog of its own.
+    inherited = {
+        k: v for k, v in os.environ.items() if not k.startswith(("BACKFILL_", "PYICEBERG_"))
+    }
     env = {
-        **os.environ,
+        **inherited,
         "BACKFILL_HOME": str(tmp_path),
+        "BACKFILL_SPARK_MASTER": "local[2]",
         "PYICEBERG_HOME": str(tmp_path / "pyiceberg-home"),
         "BACKFILL_JAR_CACHE": stack_env["BACKFILL_JAR_CACHE"],
         "BACKFILL_SPARK_DRIVER_MEMORY": "512m",
@@ -39,4 +45,8 @@ def test_a_month_of_hours_in_one_task_fits_a_small_driver(
     if proc.returncode != 0:
         pytest.fail(f"the month's write failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     written = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert written == {"files": 720, "rows": 720 * 3}
+    assert written == {
+        "files": 720,
+        "rows": 720 * 3,
+        "driver": {"master": "local[2]", "memory": "512m"},
+    }

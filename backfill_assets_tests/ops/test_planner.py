@@ -161,9 +161,9 @@ def test_waves_of_runs_follow_the_concurrency() -> None:
 
 
 def test_declared_runs_queue_behind_the_raw_runs_and_share_the_slots() -> None:
-    """A 30-day range: 5 raw runs then 5 declared runs, 2 at a time (the 30-day north star of
-    2026-11-27 ran like that). Predicting one declared wall after the raw waves left out 4 of
-    the 5 declared runs."""
+    """A 30-day range in weekly runs: 5 raw runs then 5 declared runs, 2 at a time (the 30-day
+    north star of 2026-11-27 ran like that). Predicting one declared wall after the raw waves
+    left out 4 of the 5 declared runs."""
     est = _predict(
         records=10_000, partitions=720, runs=5, declared_tables=2, declared_runs=5,
         declared_walls=[100.0],
@@ -220,6 +220,8 @@ def test_a_declared_runs_cost_follows_the_hours_it_covers() -> None:
     assert planner._declared_seconds(walls, lengths, 168.0) == pytest.approx(25.0, rel=0.05)
     # One length says nothing of the cost per hour: their median, as before.
     assert planner._declared_seconds([24.0, 26.0, 25.0], [168.0] * 3, 720.0) == 25.0
+    # Short runs (the late-data sensor's) do not set a month's cost per hour.
+    assert planner._declared_seconds([20.0, 24.0], [1.0, 2.0], 720.0) == 22.0
     # A line falling with the hours (noise) is not extrapolated either.
     assert planner._declared_seconds([40.0, 20.0], [6.0, 24.0], 168.0) == 30.0
     assert planner._declared_seconds([], None, 720.0) == DECLARED_RUN_S
@@ -232,9 +234,13 @@ def test_a_declared_runs_cost_follows_the_hours_it_covers() -> None:
 
 def test_runs_in_flight_are_averaged_over_a_runs_wall() -> None:
     assert planner.in_flight(100.0, 200.0, [(100.0, 200.0)]) == 1.0
-    # Another run over its whole wall, a third over half of it, one before, one never started.
+    # Another run over its whole wall, a third over its second half (still running), one
+    # before it, one never started: 50 s at 2 runs + 50 s at 3 = 41.7 s of work alone.
     spans = [(100.0, 200.0), (90.0, 210.0), (150.0, None), (10.0, 90.0), (None, None)]
-    assert planner.in_flight(100.0, 200.0, spans) == pytest.approx(2.5)
+    assert planner.in_flight(100.0, 200.0, spans) == pytest.approx(100.0 / (25.0 + 50.0 / 3))
+    # Half alone, half with two others: 50 + 50/3 s of work, not 100 / 2 (the average).
+    half = [(0.0, 100.0), (50.0, 100.0), (50.0, 100.0)]
+    assert planner.in_flight(0.0, 100.0, half) == pytest.approx(100.0 / (50.0 + 50.0 / 3))
     # Weekly runs two at a time: each wall read alone is half of it.
     run = {"records": 1_000.0, "wall_s": 120.0, "in_flight": 2.0}
     assert planner._alone(run, shared=True) == 60.0
@@ -285,6 +291,7 @@ def test_the_history_holds_runs_not_a_fixed_number_of_materializations() -> None
     assert len(history) == 4
     assert sorted(h["records"] for h in history.values()) == [168_000.0] * 4
     assert [h["hours"] for h in history.values()] == [168.0] * 4
+    assert [h["in_flight"] for h in history.values()] == [1.0] * 4  # one after another
 
 
 def test_without_history_the_defaults_are_said_to_be_defaults() -> None:

@@ -49,7 +49,11 @@ def main(hours: int) -> None:
     )
     files = spark.table(f"{table}.files").selectExpr("count(*)", "sum(record_count)").first()
     assert files is not None  # an aggregate has one row
-    sys.stdout.write(json.dumps({"files": files[0], "rows": files[1]}) + "\n")
+    driver = {
+        "master": spark.conf.get("spark.master"),
+        "memory": spark.conf.get("spark.driver.memory"),
+    }
+    sys.stdout.write(json.dumps({"files": files[0], "rows": files[1], "driver": driver}) + "\n")
 
 
 if __name__ == "__main__":
