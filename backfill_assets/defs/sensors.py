@@ -55,7 +55,6 @@ if TYPE_CHECKING:
     from backfill_assets.stack.kafka import KafkaClient
 
 REQUEST_TAG = "backfill_assets/request"
-MAX_RANGE_HOURS = 168
 # Known-empty hours reported per tick, newest first: a fresh deployment whose partition_start
 # is months before the data drains its backlog over a few ticks (the daemon stores the
 # reports one by one), and a tick stays short.
@@ -89,13 +88,14 @@ def _default_status() -> dg.DefaultSensorStatus:
 
 
 def _merged(
-    kind: str, due: dict[str, dict[datetime, str]]
+    kind: str, due: dict[str, dict[datetime, str]], max_hours: int
 ) -> list[tuple[str, list[dg.AssetKey], list[datetime]]]:
-    """One request per contiguous range of hours where any declared table is due, selecting
-    (in dependency order; Dagster runs them in that order) the tables due in that range."""
+    """One request per contiguous range of at most ``max_hours`` hours where any declared table
+    is due, selecting (in dependency order; Dagster runs them in that order) the tables due in
+    that range."""
     hours = sorted({h for table_due in due.values() for h in table_due})
     out = []
-    for first, last in detect.contiguous(hours, MAX_RANGE_HOURS):
+    for first, last in detect.contiguous(hours, max_hours):
         names = [n for n, d in due.items() if any(first <= h <= last for h in d)]
         span = [h for h in hours if first <= h <= last]
         out.append((kind, [table_asset_key(n) for n in names], span))
@@ -140,7 +140,7 @@ def build_gap_sensor(
         wanted = [
             ("raw", [raw, current], sorted(raw_and_current)),
             ("current", [current], sorted(only_current)),
-            *_merged("derived", found.tables_due),
+            *_merged("derived", found.tables_due, iceberg.settings.max_hours_per_run),
         ]
         try:
             reports = _empty_reports(context, kafka, iceberg, spec, specs)
@@ -168,6 +168,7 @@ def build_gap_sensor(
             reports,
             refused=str(found.replaced) if found.replaced is not None else None,
             history=history,
+            max_hours=iceberg.settings.max_hours_per_run,
         )
 
     return _gaps
@@ -266,9 +267,10 @@ def build_late_data_sensor(
         cat, ns = iceberg.catalog(), iceberg.settings.catalog.namespace
         due = detect.late_event_hours(cat, ns, spec, specs=specs)
         state = ledger.generation(cat, ns)
+        hours = iceberg.settings.max_hours_per_run
         return _requests(
-            context, late_sensor_name(spec), _merged("late", due), state, None, retry_backoff,
-            history=history,
+            context, late_sensor_name(spec), _merged("late", due, hours), state, None,
+            retry_backoff, history=history, max_hours=hours,
         )  # fmt: skip
 
     return _late
@@ -282,18 +284,21 @@ def _requests(
     risks: list[dict[str, object]] | None = None,
     retry_backoff: timedelta = RETRY_BACKOFF,
     reports: list[dg.AssetMaterialization] | None = None,
+    *,
     refused: str | None = None,
     history: _History | None = None,
+    max_hours: int,
 ) -> dg.SensorResult | dg.SkipReason:
     """The run requests for ``wanted`` not yet requested at ledger ``state``, nor in flight in
-    ``history`` (read before ``wanted`` was computed; default: now)."""
+    ``history`` (read before ``wanted`` was computed; default: now), each of at most
+    ``max_hours`` hours (``BACKFILL_MAX_HOURS_PER_RUN``, as a backfill's runs)."""
     seen: list[str] = json.loads(context.cursor) if context.cursor else []
     history = history if history is not None else _history(context.instance, sensor)
     now = datetime.now(UTC)
     requests: list[dg.RunRequest] = []
     waiting: list[str] = []
     for kind, keys, hours in wanted:
-        for first, last in _spans(kind, hours, history):
+        for first, last in _spans(kind, hours, history, max_hours):
             span = f"{first:{detect.PARTITION_FMT}}...{last:{detect.PARTITION_FMT}}"
             tag = f"{kind}:{span}"
             failed = history.failed.get(tag)
@@ -412,11 +417,12 @@ def _history(instance: dg.DagsterInstance, sensor: str) -> _History:
 
 
 def _spans(
-    kind: str, hours: Iterable[datetime], history: _History
+    kind: str, hours: Iterable[datetime], history: _History, max_hours: int
 ) -> list[tuple[datetime, datetime]]:
-    """The ranges to request for ``hours`` of ``kind``: hours whose runs are in flight are
-    left out; hours of a failed request are requested apart from the others, in halves of the
-    smallest failed range that holds them (one hour alone once that range is one hour)."""
+    """The ranges of at most ``max_hours`` hours to request for ``hours`` of ``kind``: hours
+    whose runs are in flight are left out; hours of a failed request are requested apart from
+    the others, in halves of the smallest failed range that holds them (one hour alone once
+    that range is one hour)."""
     busy = set(history.active.get(kind, set()))
     if kind == "current":  # a raw request materializes the current state of its hours too
         busy |= history.active.get("raw", set())
@@ -434,5 +440,5 @@ def _spans(
         groups.setdefault(group, []).append(hour)
     out: list[tuple[datetime, datetime]] = []
     for members in groups.values():
-        out.extend(detect.contiguous(members, MAX_RANGE_HOURS))
+        out.extend(detect.contiguous(members, max_hours))
     return sorted(out)

@@ -404,5 +404,34 @@ def test_a_running_raw_run_keeps_its_current_hours_out_of_new_requests() -> None
             )
         )
         history = sensors._history(instance, sensor)
-        assert sensors._spans("current", hours, history) == [(hours[2], hours[2])]
-        assert sensors._spans("raw", hours, history) == [(hours[2], hours[2])]
+        assert sensors._spans("current", hours, history, 720) == [(hours[2], hours[2])]
+        assert sensors._spans("raw", hours, history, 720) == [(hours[2], hours[2])]
+
+
+def _span_hours(first: str, last: str) -> list[str]:
+    """The partition keys of the range ``first``...``last``."""
+    a, b = (datetime.strptime(x, detect.PARTITION_FMT).replace(tzinfo=UTC) for x in (first, last))
+    hour = timedelta(hours=1)
+    return [_h(int((a - START) / hour) + i) for i in range(int((b - a) / hour) + 1)]
+
+
+def test_gap_requests_are_cut_as_a_backfill_cuts_its_runs(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gap sensor requests a gap in runs of at most ``BACKFILL_MAX_HOURS_PER_RUN`` hours,
+    as a backfill's policy cuts a range (it cut at 168 hours whatever the setting said)."""
+
+    def tick() -> list[tuple[str, list[str], str, str]]:
+        saved = world.cursors["gap"]
+        try:
+            return _tick(world, "gap")
+        finally:
+            world.cursors["gap"] = saved
+
+    whole = [r for r in tick() if r[0] == "raw"]
+    assert len(whole) == 1, whole  # the default (720) holds the history's 8 hours in one run
+    monkeypatch.setenv("BACKFILL_MAX_HOURS_PER_RUN", "3")
+    cut = [r for r in tick() if r[0] == "raw"]
+    assert [len(_span_hours(r[2], r[3])) for r in cut] == [3, 3, 2], cut
+    assert [h for r in cut for h in _span_hours(r[2], r[3])] == _span_hours(*whole[0][2:])
+    assert {tuple(r[1]) for r in cut} == {tuple(whole[0][1])}

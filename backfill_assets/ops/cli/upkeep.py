@@ -188,7 +188,7 @@ def gaps_command(ui: Ui, settings: Settings, topic: str, horizon_hours: int) -> 
     )
     late = detect.late_event_hours(cat, ns, spec, specs=list(common.specs().values()))
     stale = {t.name: ledger.stale(cat, ns, f"{cat.name}.{ns}.{t.name}") for t in spec.tables}
-    doc = _gaps_doc(spec, found, late, stale)
+    doc = _gaps_doc(spec, found, late, stale, settings.max_hours_per_run)
     doc["topic_replaced"] = str(found.replaced) if found.replaced is not None else None
     doc["not_re_read"] = identity.shadowed_doc(spec.topic, found.shadowed)
     ui.emit(doc)
@@ -231,16 +231,18 @@ def _gaps_doc(
     found: Findings,
     late: dict[str, dict[datetime, str]],
     stale: dict[str, dict[datetime, str]],
+    max_hours: int,
 ) -> dict[str, Any]:
-    """The ``gaps`` document: gaps as ranges with the command that fills each, the hours due
-    per table, late event hours and retention risks."""
+    """The ``gaps`` document: gaps as ranges of at most ``max_hours`` hours (a run's, as the
+    sensors request them) with the command that fills each, the hours due per table, late
+    event hours and retention risks."""
     from backfill_assets.lake.coverage import detect
 
     hour = timedelta(hours=1)
 
     def ranges(hours: list[datetime]) -> list[dict[str, str]]:
         out = []
-        for first, last in detect.contiguous(hours, 168):
+        for first, last in detect.contiguous(hours, max_hours):
             end = last + hour
             out.append(
                 {
