@@ -224,13 +224,20 @@ def _other_version_hours_by_definition(
     return out
 
 
-def test_other_version_hours_follows_its_definition(spark_session: SparkSession) -> None:
+@pytest.mark.parametrize("collide", [False, True], ids=["hashes", "every-hash-collides"])
+def test_other_version_hours_follows_its_definition(
+    spark_session: SparkSession, monkeypatch: pytest.MonkeyPatch, collide: bool
+) -> None:
     """Versions of ids spread over Kafka hours and event hours (moved corrections, versions in
     one hour, tombstones, missing event times, windows that cut ids in two) give exactly the
-    pairs of the row-by-row definition."""
+    pairs of the row-by-row definition; also with every row a hash candidate (the ids' rows
+    are narrowed by 64-bit hashes, and colliding ids dropped by the join that follows)."""
     import random
 
     from backfill_assets.lake.write.derived import other_version_hours
+
+    if collide:
+        monkeypatch.setattr(derived, "_candidates", lambda frame, _values, _column: frame)
 
     rng = random.Random(7)
     rows: list[tuple[str, datetime | None, datetime, int, int, bool]] = []
@@ -339,14 +346,20 @@ def _events_by_definition(
     return out
 
 
+@pytest.mark.parametrize("collide", [False, True], ids=["hashes", "every-hash-collides"])
 def test_winners_are_read_from_every_kafka_hour_across_a_clock_change(
-    spark_session: SparkSession,
+    spark_session: SparkSession, monkeypatch: pytest.MonkeyPatch, collide: bool
 ) -> None:
     """The current-state source finds its winners with a narrow scan and reads whole rows only
     from the Kafka hours holding them, the events relation reads every hour: a winner in any
     hour (both 01:00s of New York's fall-back included, a correction moved to another key) is
-    still the one picked."""
+    still the one picked. Both narrow their rows by 64-bit hashes of the keys and ids and drop
+    colliding rows later, not by an exact join: with every hash colliding (every row a
+    candidate), the same rows come out."""
     from pyspark.sql import functions as F
+
+    if collide:
+        monkeypatch.setattr(derived, "_candidates", lambda frame, _values, _column: frame)
 
     rows = _hostile_raw_rows(seed=11)
     raw, state = f"raw_{uuid.uuid4().hex[:8]}", f"state_{uuid.uuid4().hex[:8]}"

@@ -157,10 +157,18 @@ def _hours_of(frame: DataFrame) -> Column:
 
 
 def winning_versions(
-    spark: SparkSession, spec: TopicSpec, raw_table: str, ids: DataFrame
+    spark: SparkSession, spec: TopicSpec, raw_table: str, in_window: Column
 ) -> DataFrame:
-    """For the event ids in ``ids`` (one column, the event id field), the winning version of
-    each from all of the raw table's rows, with ``_versions`` (distinct contents) per id.
+    """The winning version of every event id with some version where ``in_window`` holds
+    (and possibly of a few others: keep the winners where it holds), from all of the raw
+    table's rows, with ``_versions`` (distinct contents) per id.
+
+    The ids' versions are found in one pass over the raw rows: a broadcast set of the ids'
+    64-bit hashes keeps every version of each id, and the rare rows of another id whose hash
+    collides. Those add only winners outside the window: a winner inside it is a version
+    inside it. No join with the ids themselves: that shuffle of every candidate row cost ~20%
+    of a month's relation (bench/HISTORY.md, twentieth pass). Rows without an event id never
+    win.
 
     (A narrow scan for the versions' Kafka hours, then those hours read whole, was measured and
     not kept: no faster at 7 days of the 30-day north star, bench/README tenth pass.)"""
@@ -168,8 +176,8 @@ def winning_versions(
     from pyspark.sql import functions as F
 
     key = spec.event_id_field
-    events = spark.table(raw_table).where(~F.col("is_tombstone"))
-    versions = _among(events, ids, key)
+    events = spark.table(raw_table).where(~F.col("is_tombstone") & F.col(key).isNotNull())
+    versions = _candidates(events, events.where(in_window).select(key), key)
     content = F.xxhash64(*[F.col(c.name) for c in spec.columns])
     every = Window.partitionBy(key)
     counted = versions.withColumn("_versions", F.size(F.collect_set(content).over(every)))
@@ -231,7 +239,8 @@ def other_version_hours(
         F.col("kafka_partition").alias("_p"),
         F.col("kafka_offset").alias("_o"),
     )
-    others = _among(rows, mine.select(key).distinct(), key).select(
+    # Hash candidates: the join with ``mine`` on the id drops a colliding id's rows.
+    others = _candidates(rows, mine.select(key), key).select(
         key, F.date_trunc("hour", event).alias("_e"), "kafka_partition", "kafka_offset"
     )
     pairs = fetch.rows(
@@ -261,14 +270,8 @@ def events_in(
     in_window = (event_time >= _ts(start)) & (event_time < _ts(end))
     # Every id with some version in the window, then each id's winner (whose event time may
     # have been corrected out of the window, or into it from another id's hour).
-    ids = (
-        spark.table(raw_table)
-        .where(~F.col("is_tombstone") & in_window)
-        .select(spec.event_id_field)
-        .distinct()
-    )
     return (
-        winning_versions(spark, spec, raw_table, ids)
+        winning_versions(spark, spec, raw_table, in_window)
         .where(in_window)
         .select(*[c.name for c in spec.columns], *[c for c, _ in EVENT_META_COLUMNS], "_versions")
     )
@@ -827,16 +830,22 @@ def _picked(spec: TopicSpec, raw: DataFrame, touched: DataFrame) -> DataFrame:
     """The positions (:data:`_POSITION`) of each touched key's latest row: among the winning
     versions of the event ids of its events (every version of those ids, whatever its key)
     and its tombstones, by ``order_by`` (Kafka time for tombstones), then the version rule
-    (:func:`newest`). Reads only the narrow columns of the raw table."""
+    (:func:`newest`), and possibly those of a few keys not touched (the caller keeps the
+    touched keys'). Reads only the narrow columns of the raw table."""
     from pyspark.sql import functions as F
 
     rule = spec.current_rule
     key, event_id = rule.key, spec.event_id_field
     columns = [key, event_id, "is_tombstone", "kafka_timestamp", *_POSITION, rule.order_by]
     narrow = raw.select(*dict.fromkeys(columns))
-    mine = _among(narrow, touched, key)
+    # Hash candidates, not exact semi-joins: a row of another key or id whose hash collides
+    # only adds a pick for a key that is not touched, which the caller's join with the
+    # touched keys drops (the winner of an id is a row of its own key, so an id whose winner
+    # holds a touched key is always among the touched keys' ids).
+    mine = _candidates(narrow, touched, key)
     ids = mine.where(~F.col("is_tombstone")).select(event_id).distinct().localCheckpoint(eager=True)
-    events = newest(_among(narrow.where(~F.col("is_tombstone")), ids, event_id), event_id)
+    real = narrow.where(~F.col("is_tombstone") & F.col(event_id).isNotNull())
+    events = newest(_candidates(real, ids, event_id), event_id)
     order = F.coalesce(F.col(rule.order_by), F.col("kafka_timestamp"))
     return newest(events.unionByName(mine.where(F.col("is_tombstone"))), key, order).select(
         *_POSITION
@@ -932,9 +941,16 @@ def _fill_unavailable(spec: TopicSpec, raw: DataFrame, winners: DataFrame) -> Da
 def _among(frame: DataFrame, values: DataFrame, column: str) -> DataFrame:
     """The rows of ``frame`` whose ``column`` is one of ``values``' (a left semi-join).
 
-    The rows are first narrowed by a broadcast set of the values' 64-bit hashes, small where
-    the strings were not, so the exact join that follows shuffles only the candidates: a hash
-    collision lets a row past the first step, never past the second."""
+    The rows are first narrowed by :func:`_candidates`, so the exact join that follows
+    shuffles only the candidates: a hash collision lets a row past the first step, never past
+    the second."""
+    return _candidates(frame, values, column).join(values, column, "left_semi")
+
+
+def _candidates(frame: DataFrame, values: DataFrame, column: str) -> DataFrame:
+    """The rows of ``frame`` whose ``column``'s 64-bit hash is one of ``values``' (a broadcast
+    set, small where the values were not): every row of each value, and possibly a few rows of
+    other values whose hash collides, which the caller must drop exactly."""
     from pyspark.sql import functions as F
 
     hashes = values.select(F.xxhash64(column).alias("_hash")).distinct()
@@ -942,7 +958,6 @@ def _among(frame: DataFrame, values: DataFrame, column: str) -> DataFrame:
         frame.withColumn("_hash", F.xxhash64(column))
         .join(F.broadcast(hashes), "_hash", "left_semi")
         .drop("_hash")
-        .join(values, column, "left_semi")
     )
 
 
