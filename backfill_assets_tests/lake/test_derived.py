@@ -203,13 +203,13 @@ def current_table(spec: TopicSpec) -> str:
 
 
 def _other_version_hours_by_definition(
-    rows: list[tuple[str, datetime | None, datetime, int, int, bool]],
+    rows: list[tuple[str | None, datetime | None, datetime, int, int, bool]],
     start: datetime,
     end: datetime,
 ) -> dict[datetime, set[datetime]]:
     """The definition, row by row: for each row of the window, the event hours of the other
     rows (any Kafka hour) of its event id that differ from its own."""
-    live = [r for r in rows if not r[5] and r[1] is not None]
+    live = [r for r in rows if not r[5] and r[1] is not None and r[0] is not None]
     out: dict[datetime, set[datetime]] = {}
     for key, event, kafka_hour, partition, offset, _ in live:
         if not start <= kafka_hour < end:
@@ -240,7 +240,7 @@ def test_other_version_hours_follows_its_definition(
         monkeypatch.setattr(derived, "_candidates", lambda frame, _values, _column: frame)
 
     rng = random.Random(7)
-    rows: list[tuple[str, datetime | None, datetime, int, int, bool]] = []
+    rows: list[tuple[str | None, datetime | None, datetime, int, int, bool]] = []
     base = datetime(2026, 4, 1, tzinfo=UTC)
     for offset in range(600):
         kafka_hour = base + timedelta(hours=rng.randrange(6))
@@ -248,6 +248,11 @@ def test_other_version_hours_follows_its_definition(
         event = None if rng.random() < 0.03 else kafka_hour + drift
         tombstone = rng.random() < 0.03
         rows.append((f"e{rng.randrange(150)}", event, kafka_hour, offset % 3, offset, tombstone))
+    # Rows without an event id (the id column may be nullable) are nobody's other version.
+    rows += [
+        (None, base + timedelta(hours=h, minutes=90), base + timedelta(hours=h), 0, 600 + h, False)
+        for h in range(6)
+    ]
     view = f"versions_{uuid.uuid4().hex[:8]}"
     spark_session.createDataFrame(
         rows,
@@ -303,11 +308,25 @@ def _hostile_raw_rows(seed: int) -> list[tuple[Any, ...]]:
     return rows
 
 
+def _rows_without_an_event_id() -> list[tuple[Any, ...]]:
+    """Live rows with no event id (the id column may be nullable), the newest of their keys
+    and in every window: never a winner, so neither an event nor a key's current row."""
+    out = []
+    for hour in range(12):
+        kafka_ts = _FALL_BACK + timedelta(hours=hour, minutes=59)
+        key = f"o{hour * 3}"
+        payload = (None, key, "c1", "order", "paid", 999, "EUR", "web", kafka_ts)
+        out.append(
+            (*payload, kafka_ts, 0, 10_000 + hour, _FALL_BACK + timedelta(hours=hour), False)
+        )
+    return out
+
+
 def _winners_by_definition(rows: list[tuple[Any, ...]]) -> dict[str, tuple[Any, ...]]:
     """Per event id, the version the version rule picks (support.versions.newest)."""
     by_id: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
     for row in rows:
-        if not row[13]:
+        if not row[13] and row[0] is not None:
             by_id[row[0]].append(row)
     return {eid: newest(versions, _position) for eid, versions in by_id.items()}
 
@@ -361,7 +380,7 @@ def test_winners_are_read_from_every_kafka_hour_across_a_clock_change(
     if collide:
         monkeypatch.setattr(derived, "_candidates", lambda frame, _values, _column: frame)
 
-    rows = _hostile_raw_rows(seed=11)
+    rows = _hostile_raw_rows(seed=11) + _rows_without_an_event_id()
     raw, state = f"raw_{uuid.uuid4().hex[:8]}", f"state_{uuid.uuid4().hex[:8]}"
     spark_session.createDataFrame(rows, _RAW_COLUMNS).createOrReplaceTempView(raw)
     spark_session.createDataFrame(
