@@ -55,11 +55,12 @@ for tier in $tiers; do
     # its own, so it stays in the slow tier); of the injected-fault cases, the small-window
     # ones: the large-window way differs from it only in where the figures are summed (driver
     # or Spark), which the default tier covers, not in anything the stack changes.
-    echo "== pytest (cluster stack: test_cluster, exactness, faults; BACKFILL_TEST_STACK=cluster)"
+    echo "== pytest (cluster stack: test_cluster, exactness, faults, archive logs; BACKFILL_TEST_STACK=cluster)"
     BACKFILL_TEST_STACK=cluster .venv/bin/python -m pytest \
       -m "cluster or faults or not (slow or browser or convergence)" \
       -k "not (each_check_blocks and large)" --durations=10 "$@" \
       backfill_assets_tests/test_cluster.py backfill_assets_tests/lake/test_exactness.py \
-      backfill_assets_tests/lake/test_rollback_faults.py backfill_assets_tests/lake/test_faults.py
+      backfill_assets_tests/lake/test_rollback_faults.py backfill_assets_tests/lake/test_faults.py \
+      backfill_assets_tests/lake/test_archive_log.py
   fi
 done

@@ -6,8 +6,9 @@ in production, both through :mod:`pyarrow.fs`)::
     <topic>/log-<topic id>/<partition>/<start:020d>-<end:020d>.parquet
 
 The archive belongs to one log: ``<topic id>`` is the id Kafka gave the topic when it was
-created (a topic deleted and recreated, or served by another cluster after a failover, is a new
-log whose offsets restart), and each file records the topic id and cluster id it was read from.
+created (a topic deleted and recreated, or served by another cluster after a failover, is a
+new log whose offsets restart), spelt as Kafka spells it (URL-safe base64: ``-`` and ``_``,
+never a ``/``), and each file records the topic id and cluster id it was read from.
 A reader is bound to one log: a run to the log its contract read, everything else to Kafka's
 current log of the topic, so no run, scan or retention warning ever takes one log's archived
 offsets for another's. Files of the first layout (``<topic>/<partition>/...``, no log) are
@@ -171,6 +172,7 @@ class Archive:
         self.uri = settings.archive_uri.rstrip("/")
         self.fs, self.root = _filesystem(settings)
         self.file_records = settings.archive_file_records
+        self._folders: dict[str, str] = {}  # topic -> the folder of its log (asked once)
         # Paths verified committed. Safe to remember: a committed file is never replaced (only
         # legacy files are), and any file at a name holds that range's committed records.
         self._committed: set[str] = set()
@@ -186,8 +188,22 @@ class Archive:
 
     def directory(self, topic: str, partition: int) -> str:
         """The folder of a partition's files in this archive's log of ``topic``."""
-        log = _LOG_DIR.format(topic_id=self.log(topic).topic_id)
-        return f"{self.root}/{topic}/{log}/{partition}"
+        if topic not in self._folders:
+            self._folders[topic] = self._log_folder(topic, self.log(topic).topic_id)
+        return f"{self._folders[topic]}/{partition}"
+
+    def _log_folder(self, topic: str, topic_id: str) -> str:
+        """``<root>/<topic>/log-<topic id>``, the id spelt as Kafka spells it (URL-safe
+        base64, as ``kafka-topics.sh --describe`` prints it). confluent-kafka spells ids in
+        standard base64, whose ``/`` split the folder (and ``//`` made it unreadable): a log
+        archived under that first spelling keeps its folder, so nothing archived is lost."""
+        folder = f"{self.root}/{topic}/{_LOG_DIR.format(topic_id=_url_safe(topic_id))}"
+        first = f"{self.root}/{topic}/{_LOG_DIR.format(topic_id=topic_id)}"
+        if first == folder or "//" in first or first.endswith("/"):
+            return folder
+        if self.fs.get_file_info(first).type == pafs.FileType.Directory:
+            return first
+        return folder
 
     def files(self, topic: str, partition: int) -> list[ArchiveFile]:
         """All complete files of a partition, by start offset (temporary files excluded)."""
@@ -548,6 +564,11 @@ class Archive:
             pq.write_table(table, out, compression="zstd")
         self.fs.move(tmp, final)
         return final
+
+
+def _url_safe(topic_id: str) -> str:
+    """A topic id in Kafka's own spelling: URL-safe base64 (``-`` and ``_`` for ``+``, ``/``)."""
+    return topic_id.replace("+", "-").replace("/", "_")
 
 
 def log_bounds(kafka: KafkaClient, topic: str) -> dict[int, tuple[int, int, int]]:
