@@ -151,6 +151,52 @@ def test_a_runs_declared_tables_build_the_events_relation_once(
     assert built[1:] == [(START + timedelta(hours=1), START + timedelta(hours=3))]
 
 
+def test_a_window_holding_most_of_the_raw_table_reads_it_whole(
+    world: World, spark_session: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The share of the raw table a window's Kafka hours hold is read from the table's
+    partition metadata (pinned or not); where it reaches ``WHOLE_TABLE_SHARE`` the events
+    relation takes every id's winner without narrowing the ids first, and the declared table
+    a run writes is the same, every check passed."""
+    from pyspark.sql import functions as F
+
+    raw = f"{world.ns}.{world.spec.raw_table}"
+    window = (START, START + timedelta(hours=5))
+    table = spark_session.table(raw)
+    inside = table.where((F.col("kafka_hour") >= window[0]) & (F.col("kafka_hour") < window[1]))
+    share = inside.count() / table.count()
+    assert 0.0 < share < 1.0
+    assert derived.window_share(spark_session, raw, *window) == pytest.approx(share)
+    [snapshot] = spark_session.table(f"{raw}.snapshots").orderBy(F.desc("committed_at")).take(1)
+    pinned = f"{raw}.snapshot_id_{snapshot['snapshot_id']}"
+    assert derived.window_share(spark_session, pinned, *window) == pytest.approx(share)
+    before = (START - timedelta(days=30), START - timedelta(days=29))
+    assert derived.window_share(spark_session, raw, *before) == 0.0
+
+    chosen: list[bool] = []
+    real = derived.winning_versions
+
+    def spy(*args: Any, whole: bool = False) -> Any:
+        chosen.append(whole)
+        return real(*args, whole=whole)
+
+    monkeypatch.setattr(derived, "winning_versions", spy)
+    monkeypatch.setattr(derived, "_SHARE_FROM", timedelta(0))
+    monkeypatch.setattr(derived, "WHOLE_TABLE_SHARE", share)  # this window's share: whole
+    derived.release_shared_events()
+    result = _run(world, [hourly_table(world.spec)], "2026-04-01-00:00", "2026-04-01-04:00")
+    assert result.success, result.all_events
+    checks = result.get_asset_check_evaluations()
+    assert checks and all(c.passed for c in checks), checks
+    assert chosen == [True]
+    assert _hourly(spark_session, world) == {
+        (hour, cur): (v["events"], v["amount_minor"])
+        for hour, by_cur in world.truth.event_hours.items()
+        if window[0] <= datetime.fromisoformat(hour) < window[1]
+        for cur, v in by_cur.items()
+    }
+
+
 def _expected_state(config: GeneratorConfig) -> dict[str, tuple[bool, str | None]]:
     """Last valid event or tombstone per order by (event time or Kafka time, offset)."""
     latest: dict[str, tuple[tuple[int, int], bool, str | None]] = {}
@@ -365,20 +411,24 @@ def _events_by_definition(
     return out
 
 
-@pytest.mark.parametrize("collide", [False, True], ids=["hashes", "every-hash-collides"])
+@pytest.mark.parametrize("way", ["hashes", "every-hash-collides", "whole-table"])
 def test_winners_are_read_from_every_kafka_hour_across_a_clock_change(
-    spark_session: SparkSession, monkeypatch: pytest.MonkeyPatch, collide: bool
+    spark_session: SparkSession, monkeypatch: pytest.MonkeyPatch, way: str
 ) -> None:
     """The current-state source finds its winners with a narrow scan and reads whole rows only
     from the Kafka hours holding them, the events relation reads every hour: a winner in any
     hour (both 01:00s of New York's fall-back included, a correction moved to another key) is
     still the one picked. Both narrow their rows by 64-bit hashes of the keys and ids and drop
     colliding rows later, not by an exact join: with every hash colliding (every row a
-    candidate), the same rows come out."""
+    candidate), the same rows come out; and with the events relation reading the whole table
+    (a window holding most of it), too."""
     from pyspark.sql import functions as F
 
-    if collide:
+    if way == "every-hash-collides":
         monkeypatch.setattr(derived, "_candidates", lambda frame, _values, _column: frame)
+    if way == "whole-table":  # a temporary view has no partition metadata: the share is given
+        monkeypatch.setattr(derived, "_SHARE_FROM", timedelta(0))
+        monkeypatch.setattr(derived, "window_share", lambda *_args: 1.0)
 
     rows = _hostile_raw_rows(seed=11) + _rows_without_an_event_id()
     raw, state = f"raw_{uuid.uuid4().hex[:8]}", f"state_{uuid.uuid4().hex[:8]}"

@@ -157,7 +157,7 @@ def _hours_of(frame: DataFrame) -> Column:
 
 
 def winning_versions(
-    spark: SparkSession, spec: TopicSpec, raw_table: str, in_window: Column
+    spark: SparkSession, spec: TopicSpec, raw_table: str, in_window: Column, *, whole: bool = False
 ) -> DataFrame:
     """The winning version of every event id with some version where ``in_window`` holds
     (and possibly of a few others: keep the winners where it holds), from all of the raw
@@ -171,13 +171,17 @@ def winning_versions(
     win.
 
     (A narrow scan for the versions' Kafka hours, then those hours read whole, was measured and
-    not kept: no faster at 7 days of the 30-day north star, bench/README tenth pass.)"""
+    not kept: no faster at 7 days of the 30-day north star, bench/README tenth pass.)
+
+    ``whole``: the winner of every id of the table, without narrowing (cheaper when the window
+    holds most of the table's rows: the narrowing reads the table twice to keep nearly all of
+    it; see :func:`events_in`)."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     key = spec.event_id_field
     events = spark.table(raw_table).where(~F.col("is_tombstone") & F.col(key).isNotNull())
-    versions = _candidates(events, events.where(in_window).select(key), key)
+    versions = events if whole else _candidates(events, events.where(in_window).select(key), key)
     content = F.xxhash64(*[F.col(c.name) for c in spec.columns])
     every = Window.partitionBy(key)
     counted = versions.withColumn("_versions", F.size(F.collect_set(content).over(every)))
@@ -263,18 +267,54 @@ def events_in(
     spark: SparkSession, spec: TopicSpec, raw_table: str, start: datetime, end: datetime
 ) -> DataFrame:
     """The winning versions whose event time is in ``[start, end)``, with the topic's columns
-    and the Kafka position columns: the relation a declared table's SQL reads as the topic."""
+    and the Kafka position columns: the relation a declared table's SQL reads as the topic.
+
+    Where the window's Kafka hours hold at least :data:`WHOLE_TABLE_SHARE` of the raw table's
+    rows (a backfill of most of the table), every id's winner is computed and the window kept,
+    rather than narrowing the ids first; both give the same rows."""
     from pyspark.sql import functions as F
 
     event_time = F.col(spec.event_time_field)
     in_window = (event_time >= _ts(start)) & (event_time < _ts(end))
+    whole = (
+        end - start >= _SHARE_FROM
+        and window_share(spark, raw_table, start, end) >= WHOLE_TABLE_SHARE
+    )
     # Every id with some version in the window, then each id's winner (whose event time may
     # have been corrected out of the window, or into it from another id's hour).
     return (
-        winning_versions(spark, spec, raw_table, in_window)
+        winning_versions(spark, spec, raw_table, in_window, whole=whole)
         .where(in_window)
         .select(*[c.name for c in spec.columns], *[c for c, _ in EVENT_META_COLUMNS], "_versions")
     )
+
+
+# From this share of the raw table's rows in a window's Kafka hours, the events relation reads
+# the whole table rather than narrowing its ids first (bench/HISTORY.md, twenty-first pass).
+WHOLE_TABLE_SHARE = 0.5
+# Shorter windows are narrowed without asking (the metadata query costs ~0.3 s; a table whose
+# window of a few hours is most of it is small, and either way is cheap).
+_SHARE_FROM = timedelta(hours=24)
+
+
+def window_share(spark: SparkSession, raw_table: str, start: datetime, end: datetime) -> float:
+    """The share of the raw table's rows whose Kafka hour is in ``[start, end)``, from its
+    partitions' metadata (no data file read; the current snapshot's, an estimate for a pinned
+    one); 0.0 for an empty table."""
+    from pyspark.sql import functions as F
+
+    table = raw_table.split(".snapshot_id_", 1)[0]
+    hour = F.col("partition.kafka_hour_hour")
+    first, last = (int(t.timestamp()) // 3600 for t in (start, end))
+    inside = F.when((hour >= first) & (hour < last), F.col("record_count"))
+    row = (
+        spark.table(f"{table}.partitions")
+        .agg(F.sum("record_count").alias("rows"), F.sum(inside).alias("inside"))
+        .first()
+    )
+    if row is None or not row["rows"]:
+        return 0.0
+    return float(row["inside"] or 0) / float(row["rows"])
 
 
 @dataclass
