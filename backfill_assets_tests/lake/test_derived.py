@@ -218,9 +218,25 @@ def _state(spark: SparkSession, world: World) -> dict[str, tuple[bool, str | Non
     return {r["order_id"]: (r["deleted"], r["status"]) for r in rows}
 
 
-def test_current_state_is_last_event_per_key(world: World, spark_session: SparkSession) -> None:
+@pytest.mark.parametrize("way", ["narrowed", "whole-table"])
+def test_current_state_is_last_event_per_key(
+    world: World, spark_session: SparkSession, monkeypatch: pytest.MonkeyPatch, way: str
+) -> None:
+    """Every key's latest event or tombstone, the keys and ids narrowed first or (a window
+    holding most of the raw table, here all of it) every key's pick taken from the whole."""
+    chosen: list[bool] = []
+    real = derived._picked
+
+    def spy(*args: Any, whole: bool) -> Any:
+        chosen.append(whole)
+        return real(*args, whole=whole)
+
+    monkeypatch.setattr(derived, "_picked", spy)
+    if way == "whole-table":  # from an 8-hour window on; its share is read from the table
+        monkeypatch.setattr(derived, "_SHARE_FROM", timedelta(hours=8))
     result = _run(world, [current_table(world.spec)], "2026-04-01-00:00", "2026-04-01-07:00")
     assert result.success, result.all_events
+    assert chosen == [way == "whole-table"]
     state = _state(spark_session, world)
     expected = _expected_state(world.config)
     assert state == expected

@@ -276,10 +276,7 @@ def events_in(
 
     event_time = F.col(spec.event_time_field)
     in_window = (event_time >= _ts(start)) & (event_time < _ts(end))
-    whole = (
-        end - start >= _SHARE_FROM
-        and window_share(spark, raw_table, start, end) >= WHOLE_TABLE_SHARE
-    )
+    whole = _mostly(spark, raw_table, start, end)
     # Every id with some version in the window, then each id's winner (whose event time may
     # have been corrected out of the window, or into it from another id's hour).
     return (
@@ -289,12 +286,20 @@ def events_in(
     )
 
 
-# From this share of the raw table's rows in a window's Kafka hours, the events relation reads
-# the whole table rather than narrowing its ids first (bench/HISTORY.md, twenty-first pass).
+# From this share of the raw table's rows in a window's Kafka hours, the events relation and
+# the current state read the whole table rather than narrowing their ids and keys first
+# (bench/HISTORY.md, twenty-first pass).
 WHOLE_TABLE_SHARE = 0.5
 # Shorter windows are narrowed without asking (the metadata query costs ~0.3 s; a table whose
 # window of a few hours is most of it is small, and either way is cheap).
 _SHARE_FROM = timedelta(hours=24)
+
+
+def _mostly(spark: SparkSession, raw_table: str, start: datetime, end: datetime) -> bool:
+    """Whether ``[start, end)`` holds most of the raw table (read it whole, not narrowed)."""
+    return end - start >= _SHARE_FROM and (
+        window_share(spark, raw_table, start, end) >= WHOLE_TABLE_SHARE
+    )
 
 
 def window_share(spark: SparkSession, raw_table: str, start: datetime, end: datetime) -> float:
@@ -826,7 +831,8 @@ def _current_source(
 
     The winners are picked from a narrow scan of every raw row (keys, event ids, times and
     positions, :func:`_picked`); only the picked rows are then read whole, from the Kafka hours
-    that hold them."""
+    that hold them. Where the window holds most of the raw table (:func:`_mostly`), every
+    key's winner is picked without narrowing the keys and ids first."""
     from pyspark.sql import functions as F
 
     rule = spec.current_rule
@@ -842,7 +848,10 @@ def _current_source(
         .localCheckpoint(eager=True)
     )
     cdc = spec.envelope == "debezium"
-    picked = (picked_by_position if cdc else _picked)(spec, raw, touched)
+    if cdc:
+        picked = picked_by_position(spec, raw, touched)
+    else:
+        picked = _picked(spec, raw, touched, whole=_mostly(spark, raw_table, start, end))
     picked = picked.localCheckpoint(eager=True)
     deleted = F.col("is_tombstone")
     if rule.deleted_when is not None:
@@ -866,12 +875,13 @@ def _current_source(
     )
 
 
-def _picked(spec: TopicSpec, raw: DataFrame, touched: DataFrame) -> DataFrame:
+def _picked(spec: TopicSpec, raw: DataFrame, touched: DataFrame, *, whole: bool) -> DataFrame:
     """The positions (:data:`_POSITION`) of each touched key's latest row: among the winning
     versions of the event ids of its events (every version of those ids, whatever its key)
     and its tombstones, by ``order_by`` (Kafka time for tombstones), then the version rule
     (:func:`newest`), and possibly those of a few keys not touched (the caller keeps the
-    touched keys'). Reads only the narrow columns of the raw table."""
+    touched keys'). Reads only the narrow columns of the raw table. ``whole``: every key's
+    pick, without narrowing (for a window holding most of the table)."""
     from pyspark.sql import functions as F
 
     rule = spec.current_rule
@@ -882,10 +892,13 @@ def _picked(spec: TopicSpec, raw: DataFrame, touched: DataFrame) -> DataFrame:
     # only adds a pick for a key that is not touched, which the caller's join with the
     # touched keys drops (the winner of an id is a row of its own key, so an id whose winner
     # holds a touched key is always among the touched keys' ids).
-    mine = _candidates(narrow, touched, key)
-    ids = mine.where(~F.col("is_tombstone")).select(event_id).distinct().localCheckpoint(eager=True)
     real = narrow.where(~F.col("is_tombstone") & F.col(event_id).isNotNull())
-    events = newest(_candidates(real, ids, event_id), event_id)
+    if whole:
+        mine, events = narrow, newest(real, event_id)
+    else:
+        mine = _candidates(narrow, touched, key)
+        ids = mine.where(~F.col("is_tombstone")).select(event_id).distinct()
+        events = newest(_candidates(real, ids.localCheckpoint(eager=True), event_id), event_id)
     order = F.coalesce(F.col(rule.order_by), F.col("kafka_timestamp"))
     return newest(events.unionByName(mine.where(F.col("is_tombstone"))), key, order).select(
         *_POSITION
