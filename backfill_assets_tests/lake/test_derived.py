@@ -172,6 +172,9 @@ def test_a_window_holding_most_of_the_raw_table_reads_it_whole(
     assert derived.window_share(spark_session, pinned, *window) == pytest.approx(share)
     before = (START - timedelta(days=30), START - timedelta(days=29))
     assert derived.window_share(spark_session, raw, *before) == 0.0
+    view = f"no_metadata_{uuid.uuid4().hex[:8]}"  # a view has no partitions metadata: narrowed
+    spark_session.range(3).createOrReplaceTempView(view)
+    assert derived.window_share(spark_session, view, *window) == 0.0
 
     chosen: list[bool] = []
     real = derived.winning_versions
