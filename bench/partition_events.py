@@ -15,12 +15,18 @@ started for the script on a free loopback port, stopped at the end), with the st
 psycopg2), alternating with the SQLite runs, and prints the ratio Postgres / SQLite per
 partition.
 
+With ``--storage`` every case also runs on the project's own SQLite storage (dagster.yaml's
+``storage: custom:``, ``backfill_assets.defs.storage``: Dagster's files, each database's engine
+kept), alternating with Dagster's stock ``storage: sqlite:``, and prints the ratio project /
+stock per partition.
+
 With ``--batch N`` every case also runs with Dagster's opt-in batched event writes
 (``DAGSTER_EVENT_BATCH_SIZE=N``, read by Dagster at each event, so the script sets it around
 each run), alternating with the unbatched runs, and prints the ratio batched / unbatched.
 
     .venv/bin/python bench/partition_events.py --repeat 3   (~1 min)
     .venv/bin/python bench/partition_events.py --repeat 3 --postgres --batch 1000   (~5 min)
+    .venv/bin/python bench/partition_events.py --repeat 5 --storage   (~2 min)
 """
 
 import argparse
@@ -38,6 +44,12 @@ from typing import Any
 import dagster as dg
 
 _DATABASES = itertools.count()
+# The project's storage (dagster.yaml), named as a store in place of a Postgres server.
+PROJECT = "project"
+_PROJECT_YAML = (
+    "storage:\n  custom:\n    module: backfill_assets.defs.storage\n    class: SqliteStorage\n"
+    "    config:\n      base_dir: {base}\n"
+)
 
 
 def free_port() -> int:
@@ -85,8 +97,14 @@ def _materialize(partitions: int, big: bool, pg: Any) -> float:
 
     last = hours_def.get_partition_keys()[partitions - 1]
     home = tempfile.mkdtemp(prefix="bench-partition-events-")
+    if pg is None:
+        storage = ""
+    elif pg == PROJECT:
+        storage = _PROJECT_YAML.format(base=os.path.join(home, "storage"))
+    else:
+        storage = _postgres_yaml(pg)
     with open(os.path.join(home, "dagster.yaml"), "w") as f:
-        f.write("telemetry:\n  enabled: false\n" + ("" if pg is None else _postgres_yaml(pg)))
+        f.write("telemetry:\n  enabled: false\n" + storage)
     with dg.DagsterInstance.from_config(home) as instance:
         began = time.monotonic()
         dg.materialize(
@@ -115,11 +133,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--postgres", action="store_true", help="also on a local Postgres 15")
+    parser.add_argument(
+        "--storage", action="store_true", help="also on the project's SQLite storage"
+    )
     parser.add_argument("--batch", type=int, default=0, help="also with DAGSTER_EVENT_BATCH_SIZE")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     with _postgres(args.postgres) as pg:
-        stores = {"sqlite": None, **({"postgres": pg} if pg is not None else {})}
+        stores: dict[str, Any] = {"sqlite": None}
+        if args.storage:
+            stores[PROJECT] = PROJECT
+        if pg is not None:
+            stores["postgres"] = pg
         variants = [(name, batch) for name in stores for batch in sorted({0, max(args.batch, 0)})]
         for name, batch in variants:
             _run(1, False, stores[name], batch)  # imports and first-run costs, not counted
@@ -133,6 +158,9 @@ def main() -> None:
     per = {variant: _report(variant, med) for variant in variants}
     for big in (False, True):
         label = "large" if big else "small"
+        if args.storage:
+            ratio = per[(PROJECT, 0)][big] / per[("sqlite", 0)][big]
+            print(f"per partition, project / stock SQLite ({label} metadata): {ratio:.2f}x")
         if args.postgres:
             ratio = per[("postgres", 0)][big] / per[("sqlite", 0)][big]
             print(f"per partition, Postgres / SQLite ({label} metadata): {ratio:.2f}x")
