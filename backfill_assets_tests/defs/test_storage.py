@@ -1,7 +1,6 @@
 """The local default's Dagster storage (backfill_assets/defs/storage.py): Dagster's SQLite files,
 each database's engine kept. No Kafka or Spark: a no-op hourly asset on real instances."""
 
-
 import shutil
 from pathlib import Path
 from typing import Any
@@ -50,12 +49,13 @@ def test_the_project_dagster_yaml_uses_the_kept_engine_storage(
     shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
     monkeypatch.setenv("BACKFILL_DAGSTER_STORAGE", str(tmp_path / "storage"))
     with dg.DagsterInstance.from_config(str(home)) as instance:
-        kinds = {
+        kinds: set[type] = {
             type(instance.run_storage),
             type(instance.event_log_storage),
             type(instance.schedule_storage),
         }
-        assert kinds == {storage.RunStorage, storage.EventLogStorage, storage.ScheduleStorage}
+        kept: set[type] = {storage.RunStorage, storage.EventLogStorage, storage.ScheduleStorage}
+        assert kinds == kept
         assert _materialize(instance, 0, 23).success
         assert len(instance.get_materialized_partitions(hourly.key)) == 24
     assert (tmp_path / "storage" / "history" / "runs.db").is_file()
