@@ -492,6 +492,12 @@ class LocalKafkaCluster:
     """N local KRaft nodes, each broker and controller, on the given ports, one quorum."""
 
     def __init__(self, settings: Settings, ports: list[tuple[int, int]]) -> None:
+        every = [port for pair in ports for port in pair]
+        if len(set(every)) != len(every):
+            raise BrokerError(
+                f"the cluster's nodes need distinct ports (client, controller): {ports}; "
+                "a port given twice lets one node answer for another that never started"
+            )
         nodes = tuple(Node(i, p, c) for i, (p, c) in enumerate(ports, start=1))
         self.settings = settings
         self.nodes = [LocalBroker(settings, n, nodes) for n in nodes]

@@ -11,6 +11,7 @@ import pytest
 from backfill_assets.errors import BrokerError, SettingsError
 from backfill_assets.stack.broker import LocalBroker, LocalKafkaCluster, new_cluster_id
 from backfill_assets.stack.settings import Settings
+from backfill_assets_tests.support.services import free_port
 
 
 def _listening_addresses(port: int) -> set[str]:
@@ -120,3 +121,17 @@ def test_cluster_nodes_get_own_dirs_ports_and_replicated_secure_config(tmp_path:
     assert one["allow.everyone.if.no.acl.found"] == "false"
     assert "p@ss" not in one["listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config"]
     assert cluster.bootstrap == "127.0.0.1:30001,127.0.0.1:30002"
+
+
+def test_a_port_given_to_two_cluster_nodes_is_refused_before_any_starts(tmp_path: Path) -> None:
+    """Two nodes on one client port: the second cannot bind, and the first answers its
+    readiness check for it (a CI run's 3-node cluster ran on two nodes that way)."""
+    settings = Settings.from_env({"BACKFILL_HOME": str(tmp_path)})
+    with pytest.raises(BrokerError, match=r"distinct ports.*\(30001, 30101\), \(30001, 30102\)"):
+        LocalKafkaCluster(settings, [(30001, 30101), (30001, 30102)])
+    assert not (tmp_path / "kafka").exists()
+
+
+def test_free_ports_are_never_handed_out_twice() -> None:
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)

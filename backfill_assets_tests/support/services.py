@@ -17,12 +17,21 @@ from pathlib import Path
 
 from backfill_assets.stack.settings import REPO_ROOT
 
+# Ports this process has handed out: the kernel may give a released port again at once, and a
+# cluster of three nodes once got the same client port for two of them (one never started).
+_HANDED_OUT: set[int] = set()
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on now, never one this process was given
+    before (services are started after their ports are picked, so a repeat would collide)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @contextmanager
